@@ -1,0 +1,1 @@
+"""tierlm: decoder-only LLMs across memory tiers, compiled when placement allows."""
