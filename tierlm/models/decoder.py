@@ -1,0 +1,88 @@
+"""The decoder: embed -> layers -> norm -> lm_head, with Hugging Face module names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.config import ModelConfig
+from tierlm.models.layers import DecoderLayer, RMSNorm, rope_tables
+
+ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
+
+
+class DecoderBody(nn.Module):
+    """`model.*` in HF naming: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """A decoder-only causal LM. forward(input_ids) returns logits [batch, seq, vocab]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def ensure_rope(self, length: int, device: torch.device | str) -> None:
+        """Make the rotary tables cover positions < length (called outside any compiled region)."""
+        if self.rope_cos is not None and self.rope_cos.shape[0] >= length and self.rope_cos.device == device:
+            return
+        size = -(-max(length, 1) // ROPE_CHUNK) * ROPE_CHUNK
+        self.rope_cos, self.rope_sin = rope_tables(self.config, size, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache=None,
+        slots: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits for input_ids [b, s].
+
+        attention_mask [b, s] marks real tokens (0 = left padding). With a cache, `slots` [s] are the
+        cache positions written by this call and `positions` [b, s] the rotary positions.
+        """
+        b, s = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones(b, s, dtype=torch.bool, device=device)
+        attention_mask = attention_mask.to(torch.bool)
+        if positions is None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if slots is None:
+            slots = torch.arange(s, device=device)
+        if cache is not None:
+            key_valid = cache.mark_valid(slots, attention_mask)
+        else:
+            self.ensure_rope(s, device)
+            key_valid = attention_mask
+        mask = attention_mask_4d(key_valid, slots)
+        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, mask, cache, slots)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
+
+
+def attention_mask_4d(key_valid: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Bool mask [b, 1, s, L]: a query at slot q sees valid keys at slots <= q, and always itself.
+
+    Letting padded queries see themselves keeps their rows finite (no all -inf softmax, no NaN).
+    """
+    key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
+    causal = key_slots[None, :] <= slots[:, None]  # [s, L]
+    own = key_slots[None, :] == slots[:, None]
+    return ((key_valid[:, None, :] & causal[None]) | own[None]).unsqueeze(1)

@@ -1,0 +1,125 @@
+"""GGUF files via the `gguf` package: metadata -> ModelConfig, tensors -> dequantized torch tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from tierlm.config import ModelConfig
+from tierlm.weights.names import gguf_to_hf_name, unpermute_qk
+
+SUPPORTED_TYPES = (
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+)
+
+
+class GGUFCheckpoint:
+    """A GGUF file; tensors are dequantized one at a time from the memory-mapped file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        self.reader = _read(self.path)
+        self.metadata = read_metadata(self.reader)
+        self.reader.fields.clear()  # ~160 MB of per-token Python objects; the tensors do not need them
+        self.tensors = {}
+        for t in self.reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is not None:
+                self.tensors[hf] = t
+        tied = "lm_head.weight" not in self.tensors
+        meta = {**self.metadata, "tierlm.tied_embeddings": tied}
+        embed = self.tensors.get("model.embed_tokens.weight")
+        n_vocab = int(embed.shape[-1]) if embed is not None else None
+        self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab)
+        for name, t in self.tensors.items():
+            if t.tensor_type not in SUPPORTED_TYPES:
+                supported = ", ".join(q.name for q in SUPPORTED_TYPES)
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name} has unsupported type {t.tensor_type.name}; "
+                    f"supported: {supported}"
+                )
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def dtype(self, name: str) -> torch.dtype:
+        t = self.tensors[name]
+        return {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(t.tensor_type, torch.float32)
+
+    def nbytes(self, name: str) -> int:
+        return int(self.tensors[name].n_bytes)
+
+    def load(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to fp32 (or its stored float dtype), in Hugging Face layout."""
+        t = self.tensors[name]
+        if t.tensor_type == Q.BF16:
+            data = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16)).view(torch.bfloat16)
+        elif t.tensor_type in (Q.F32, Q.F16):
+            data = torch.from_numpy(np.ascontiguousarray(t.data))
+        else:
+            data = _dequantize_rows(t.data, t.tensor_type)
+        data = data.reshape(self.shape(name))
+        return self._fix(name, data)
+
+    def _fix(self, name: str, data: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if not cfg.family.gguf_permuted_qk:
+            return data
+        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+            return unpermute_qk(data, cfg.num_heads)
+        if name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+            return unpermute_qk(data, cfg.num_kv_heads)
+        return data
+
+
+def _dequantize_rows(raw: np.ndarray, qtype: Q, rows_per_chunk: int = 2048) -> torch.Tensor:
+    """Dequantize block by block of rows into one fp32 tensor, so temporaries stay small."""
+    first = dequantize(raw[:1], qtype)
+    out = torch.empty((raw.shape[0], first.shape[-1]), dtype=torch.float32)
+    for start in range(0, raw.shape[0], rows_per_chunk):
+        chunk = dequantize(raw[start : start + rows_per_chunk], qtype)
+        out[start : start + chunk.shape[0]] = torch.from_numpy(chunk)
+    return out
+
+
+def _read(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged files
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """GGUF key/values as Python values; large token arrays are skipped (the tokenizer reads those)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and field.types[:1] == [GGUFValueType.ARRAY]:
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # unreadable values are metadata tierlm does not need
+            continue
+    return meta

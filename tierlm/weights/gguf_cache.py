@@ -1,0 +1,95 @@
+"""A disk cache of dequantized GGUF weights, keyed by the GGUF file's identity and the dtype.
+
+Parsing a GGUF header and dequantizing takes seconds; a cached safetensors file loads in a fraction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from tierlm.config import ModelConfig, RopeScaling
+from tierlm.weights.safetensors import SafetensorsCheckpoint
+
+
+def cache_root() -> Path:
+    """Where tierlm keeps derived files: $TIERLM_CACHE_DIR, else ~/.cache/tierlm."""
+    env = os.environ.get("TIERLM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tierlm"
+
+
+def cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def open_cached(gguf_path: Path, dtype: torch.dtype) -> SafetensorsCheckpoint | None:
+    """The cached weights of this GGUF file in this dtype, or None when there are none (yet)."""
+    folder = cache_dir(gguf_path)
+    weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
+    meta = folder / "config.json"
+    if not (weights.is_file() and meta.is_file()):
+        return None
+    try:
+        raw = json.loads(meta.read_text())
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        return SafetensorsCheckpoint.from_file(weights, ModelConfig(**raw))
+    except (ValueError, TypeError, KeyError, OSError):
+        return None  # a stale or damaged cache is rebuilt, never trusted
+
+
+def store(gguf_path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the dequantized tensors atomically (temporary name, then rename); failures only warn."""
+    folder = cache_dir(gguf_path)
+    dtype = next(iter(tensors.values())).dtype
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(config))))
+        _atomic_write(
+            folder / f"weights-{_dtype_name(dtype)}.safetensors", lambda p: write_safetensors(p, tensors)
+        )
+    except OSError as e:
+        warnings.warn(f"could not cache dequantized weights in {folder}: {e}", stacklevel=2)
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Stream tensors into a safetensors file one at a time (save_file would buffer the whole file)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for t in tensors.values():
+            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().data)
+
+
+def _atomic_write(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

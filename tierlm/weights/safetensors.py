@@ -1,0 +1,123 @@
+"""Hugging Face folders: config.json plus one model.safetensors or shards with an index; read lazily."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tierlm.config import ModelConfig
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face checkpoint folder; tensors are read one at a time from memory-mapped files."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.path = Path(folder)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model folder {self.path} does not exist")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"model folder {self.path} has no config.json")
+        self._init(ModelConfig.from_hf_json(config_path), _weight_files(self.path))
+
+    @classmethod
+    def from_file(cls, file: Path, config: ModelConfig) -> SafetensorsCheckpoint:
+        """One safetensors file in HF naming, with a config known from elsewhere (e.g. a GGUF cache)."""
+        self = cls.__new__(cls)
+        self.path = file.parent
+        self._init(config, {name: file for name in _open(file).keys()})
+        return self
+
+    def _init(self, config: ModelConfig, files: dict[str, Path]) -> None:
+        self.config = config
+        self.files = files  # HF name -> file
+        self._handles = {f: _open(f) for f in sorted(set(files.values()))}
+        self._check_index()
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._handles[self.files[name]].get_slice(name).get_dtype()]
+
+    def nbytes(self, name: str) -> int:
+        n = 1
+        for d in self.shape(name):
+            n *= d
+        return n * self.dtype(name).itemsize
+
+    def load(self, name: str) -> torch.Tensor:
+        """The tensor as stored (CPU, the checkpoint's dtype)."""
+        try:
+            return self._handles[self.files[name]].get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read tensor {name} from {self.files[name]}: {e}") from None
+
+    def _check_index(self) -> None:
+        for file, handle in self._handles.items():
+            present = set(handle.keys())
+            missing = [n for n, f in self.files.items() if f == file and n not in present]
+            if missing:
+                raise ValueError(f"{file.name} lacks tensors its index lists: {', '.join(missing[:5])}")
+
+
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        files = {name: folder / file for name, file in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} named in {INDEX} is missing from {folder}")
+        return files
+    single = folder / SINGLE
+    if not single.is_file():
+        raise FileNotFoundError(f"model folder {folder} has no {SINGLE} or {INDEX}")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(file: Path):
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    _check_size(file)
+    return handle
+
+
+def _check_size(file: Path) -> None:
+    """A truncated file can have an intact header; check that the data section is all there."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    actual = file.stat().st_size - 8 - header_len
+    if actual < end:
+        raise ValueError(
+            f"{file} is truncated: its header describes {end} bytes of data but {actual} are present"
+        )
