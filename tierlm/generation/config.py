@@ -1,0 +1,161 @@
+"""GenerationConfig: how generate() decodes, validated when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tierlm.compile import CompileConfig
+
+CACHE_IMPLEMENTATIONS = ("static", "dynamic")
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    valid = f"an int >= {minimum}" + (" or None" if optional else "")
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be {valid}, got {_describe(value)}")
+
+
+def _check_float(name: str, value: Any, valid: str, in_range: bool) -> float:
+    """Return value as a float; in_range is the caller's range test (ignored for non-numbers)."""
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {valid}, got {_describe(value)}")
+    if not in_range:
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {_describe(value)}")
+
+
+def _in(value: Any, low: float, high: float) -> bool:
+    """low <= value <= high for numbers, False for anything else."""
+    return (_is_int(value) or isinstance(value, float)) and low <= value <= high
+
+
+def _normalize_eos(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = (value,) if _is_int(value) else value
+    if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(
+            "eos_token_id must be None (the model's), a token id >= 0 or a non-empty list of them, "
+            f"got {_describe(value)}"
+        )
+    return tuple(ids)
+
+
+def _normalize_stop(value: Any) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
+    return tuple(stops)
+
+
+def _suggest(name: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How generate() decodes: lengths, sampling, stopping, cache and compilation."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()
+    cache_implementation: str = "static"
+    max_cache_len: int | None = None
+    compile_config: CompileConfig | None = None
+    disable_compile: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate_lengths()
+        self._validate_sampling()
+        self._validate_stopping()
+        self._validate_cache_and_compile()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalizing in __post_init__ of a frozen dataclass
+
+    def _validate_lengths(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+            )
+
+    def _validate_sampling(self) -> None:
+        _check_bool("do_sample", self.do_sample)
+        t, p, m, r = self.temperature, self.top_p, self.min_p, self.repetition_penalty
+        self._set("temperature", _check_float("temperature", t, ">= 0", _in(t, 0, math.inf)))
+        _check_int("top_k", self.top_k, 0)
+        self._set("top_p", _check_float("top_p", p, "in (0, 1]", _in(p, 0, 1) and p > 0))
+        self._set("min_p", _check_float("min_p", m, "in [0, 1)", _in(m, 0, 1) and m < 1))
+        self._set(
+            "repetition_penalty", _check_float("repetition_penalty", r, "> 0", _in(r, 0, math.inf) and r > 0)
+        )
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {_describe(self.seed)}")
+
+    def _validate_stopping(self) -> None:
+        self._set("eos_token_id", _normalize_eos(self.eos_token_id))
+        self._set("stop", _normalize_stop(self.stop))
+
+    def _validate_cache_and_compile(self) -> None:
+        impl = self.cache_implementation
+        if impl not in CACHE_IMPLEMENTATIONS:
+            hint = _suggest(impl, CACHE_IMPLEMENTATIONS) if isinstance(impl, str) else ""
+            choices = ", ".join(map(repr, CACHE_IMPLEMENTATIONS))
+            raise ValueError(f"cache_implementation must be one of {choices}, got {impl!r}{hint}")
+        _check_int("max_cache_len", self.max_cache_len, 1, optional=True)
+        if self.compile_config is not None and not isinstance(self.compile_config, CompileConfig):
+            raise ValueError(
+                f"compile_config must be a CompileConfig or None, got {_describe(self.compile_config)}"
+            )
+        _check_bool("disable_compile", self.disable_compile)
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax: do_sample is off or temperature is 0."""
+        return not self.do_sample or self.temperature == 0
+
+    def replace(self, **overrides: Any) -> GenerationConfig:
+        """A copy with the given fields changed, validated again."""
+        names = [f.name for f in dataclasses.fields(self)]
+        for key in overrides:
+            if key not in names:
+                raise ValueError(
+                    f"GenerationConfig has no field {key!r}{_suggest(key, names)}; "
+                    f"valid fields are: {', '.join(names)}"
+                )
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_overrides(cls, base: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:
+        """base (or the defaults) with the overrides that are not None applied, e.g. from CLI flags."""
+        return (base or cls()).replace(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,116 @@
+"""Logits processors and next-token sampling as pure tensor functions.
+
+Logits are [batch, vocab] of any float dtype; every function computes and returns float32. The
+semantics are those of the matching Hugging Face transformers processor. Nothing here reads a tensor
+back to the host, loops over batch or vocab in Python, or changes a shape, so a decode step that
+calls these functions compiles into one graph. Hyperparameters are Python numbers: torch.compile
+treats them as constants, and a value that disables a filter (top_k=0, top_p=1, min_p=0) skips it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def mark_seen(seen: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Set seen[b, t] for the tokens [batch] or [batch, n] in place; returns seen."""
+    return seen.scatter_(1, tokens.reshape(seen.shape[0], -1), True)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Penalize tokens already seen (prompt and output): negative scores * penalty, others / penalty."""
+    logits = logits.float()
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def suppress_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Set the scores of token_ids (a LongTensor on logits' device) to -inf, e.g. EOS before min_new_tokens."""
+    return logits.float().index_fill(-1, token_ids, _NEG_INF)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Divide by temperature (> 0); temperature 0 is greedy decoding, handled by sample_next."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest scores (and any tied with the k-th); k=0 keeps all."""
+    logits = logits.float()
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to >= p (at least one)."""
+    logits = logits.float()
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_remove = cumulative <= 1 - p
+    sorted_remove[..., -1:] = False  # the most likely token always stays
+    remove = sorted_remove.scatter(-1, order, sorted_remove)
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's (which always stays)."""
+    logits = logits.float()
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    # min_p <= 1, so the most likely token is never below the threshold: at least one stays
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def warp_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, in transformers' order; returns float32 scores."""
+    logits = apply_temperature(logits, temperature)
+    logits = top_k_filter(logits, top_k)
+    logits = top_p_filter(logits, top_p)
+    return min_p_filter(logits, min_p)
+
+
+def exponential_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exponential(1) noise of like's shape in float32, drawn from generator (else the global RNG)."""
+    return torch.empty(like.shape, dtype=torch.float32, device=like.device).exponential_(
+        1, generator=generator
+    )
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    greedy: bool,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The next token per row, LongTensor[batch]: argmax when greedy (or temperature 0), else a draw.
+
+    A draw takes argmax(probs / noise) with Exponential(1) noise, which picks token i with
+    probability probs[i] without a device sync. torch.compile cannot trace a torch.Generator: inside a
+    compiled step pass generator=None (global RNG) or noise drawn outside with exponential_noise().
+    """
+    if greedy or temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).softmax(-1)
+    if noise is None:
+        noise = exponential_noise(probs, generator)
+    # exponential_ may return exactly 0, and 0 / 0 = NaN would win the argmax for a filtered token
+    noise = noise.clamp_min(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
