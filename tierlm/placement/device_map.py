@@ -1,0 +1,404 @@
+"""Device maps: parse and validate them, expand them to parameters, compute them from memory budgets.
+
+Pure functions over parameter names and byte counts; names follow Hugging Face exactly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
+from typing import Any, TypeVar
+
+STRATEGIES = ("auto", "balanced", "sequential")
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_MEMORY_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+_DEVICE_RE = re.compile(r"(cuda|mps|cpu)(?::(\d+))?")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)")
+_DEVICE_FORMS = "an int N, 'cuda', 'cuda:N', 'mps', 'cpu', 'disk' or a torch.device"
+_MEMORY_FORMS = (
+    "bytes as an int >= 0 or a string like '300MB' or '1.5GiB' (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+)
+# Modules with buffers but no parameters: transformers' hf_device_map names them, so accept them as keys.
+_PARAMETERLESS = frozenset({"model.rotary_emb", "model.rotary_emb_local"})
+
+V = TypeVar("V")
+
+
+# ---------------------------------------------------------------- memory sizes and devices
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a size string: "300MB" (powers of 1000), "1.5 GiB" (powers of 1024)."""
+    return _parse_memory(value, "memory size")
+
+
+def _parse_memory(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = _MEMORY_RE.fullmatch(value.strip()) if isinstance(value, str) else None
+    unit = match[2].lower() or "b" if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{what} {value!r} is not valid; give {_MEMORY_FORMS}.")
+    return int(Decimal(match[1]) * _UNITS[unit])
+
+
+def normalize_device(value: Any) -> str:
+    """ "cuda:N", "mps", "cpu" or "disk" from an int, a device string or a torch.device."""
+    return _device(value, "device")
+
+
+def _device(value: Any, what: str) -> str:
+    torch = sys.modules.get("torch")  # a torch.device can only exist once torch is imported
+    text = str(value) if torch is not None and isinstance(value, torch.device) else value
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return f"cuda:{text}"
+    text = text.strip().lower() if isinstance(text, str) else ""
+    match = _DEVICE_RE.fullmatch(text)
+    if text.isdigit():
+        return f"cuda:{int(text)}"
+    if text == "disk" or (match and match[1] != "cuda" and match[2] in (None, "0")):
+        return text.partition(":")[0]
+    if match and match[1] == "cuda":
+        return f"cuda:{int(match[2] or 0)}"
+    raise ValueError(f"{what} {value!r} is not a valid device; use {_DEVICE_FORMS}.")
+
+
+def parse_max_memory(max_memory: Mapping[Any, int | str]) -> dict[str, int]:
+    """{normalized device: bytes} from a max_memory dict such as {0: "20GiB", "cpu": "8GiB"}."""
+    if not isinstance(max_memory, Mapping):
+        raise ValueError(f"max_memory {max_memory!r} is not a dict; give e.g. {{0: '20GiB', 'cpu': '8GiB'}}.")
+    return _parse_budget_pairs(max_memory.items())
+
+
+def parse_max_memory_arg(text: str) -> dict[str, int]:
+    """The CLI form "cpu=2GiB,0=20GiB" parsed like parse_max_memory."""
+    pairs = []
+    for item in (part.strip() for part in text.split(",")):
+        key, sep, value = (piece.strip() for piece in item.partition("="))
+        if not (key and sep and value):
+            raise ValueError(f"max memory entry {item!r} is not DEVICE=SIZE; write e.g. 'cpu=2GiB,0=20GiB'.")
+        pairs.append((key, value))
+    return _parse_budget_pairs(pairs)
+
+
+def _parse_budget_pairs(pairs: Iterable[tuple[Any, Any]]) -> dict[str, int]:
+    budgets: dict[str, int] = {}
+    for key, value in pairs:
+        device = _device(key, "max_memory key")
+        if device == "disk":
+            raise ValueError(
+                "max_memory key 'disk' is not allowed: disk is unlimited; budget only accelerators and 'cpu'."
+            )
+        if device in budgets:
+            raise ValueError(
+                f"max_memory names device {device} twice (again as {key!r}); give each device once."
+            )
+        budgets[device] = _parse_memory(value, f"max_memory[{key!r}] =")
+    return budgets
+
+
+# ---------------------------------------------------------------- module names
+
+
+def _unit(name: str) -> str:
+    """The placement unit holding a parameter: model.layers.N inside a layer, else its own module."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return ".".join(parts[:3])
+    return ".".join(parts[:-1]) or name
+
+
+def _order_key(name: str) -> tuple[int, int]:
+    """Model order: embeddings, layers by index, other model modules, final norm, lm_head, the rest."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return (1, int(parts[2]))
+    ranks = {"model.embed_tokens": 0, "model.norm": 3}
+    top = ".".join(parts[:2])
+    rank = ranks.get(top, 4 if parts[0] == "lm_head" else 2 if parts[0] == "model" else 5)
+    return (rank, 0)
+
+
+def _collapse(values: Mapping[str, V]) -> dict[str, V]:
+    """Coarsest module prefixes with one value each, never coarser than a placement unit, in model order."""
+    groups: dict[str, list[str]] = {}
+    for name in values:
+        groups.setdefault(_unit(name), []).append(name)
+    collapsed: dict[str, V] = {}
+    for unit in sorted(groups, key=_order_key):
+        collapsed.update(_split(unit, groups[unit], values))
+    return collapsed
+
+
+def _split(prefix: str, names: list[str], values: Mapping[str, V]) -> dict[str, V]:
+    first = values[names[0]]
+    if all(values[name] == first for name in names):
+        return {prefix: first}
+    depth = prefix.count(".") + 2
+    children: dict[str, list[str]] = {}
+    for name in names:
+        children.setdefault(".".join(name.split(".")[:depth]), []).append(name)
+    split: dict[str, V] = {}
+    for child, group in children.items():
+        split.update(_split(child, group, values))
+    return split
+
+
+def format_modules(names: Sequence[str]) -> str:
+    """Names joined with ", ", runs of consecutive layers collapsed: "model.layers.15-29, model.norm"."""
+    pieces: list[str] = []
+    start = end = None
+    for name in names:
+        match = _LAYER_RE.fullmatch(name)
+        index = int(match[1]) if match else None
+        if index is not None and end is not None and index == end + 1:
+            end = index
+            continue
+        if end is not None:
+            pieces.append(f"model.layers.{start}" + (f"-{end}" if end != start else ""))
+        start = end = index
+        if index is None:
+            pieces.append(name)
+    if end is not None:
+        pieces.append(f"model.layers.{start}" + (f"-{end}" if end != start else ""))
+    return ", ".join(pieces)
+
+
+# ---------------------------------------------------------------- expanding a user map
+
+
+def expand_device_map(device_map: Mapping[str, Any], param_names: Sequence[str]) -> dict[str, str]:
+    """One normalized device per parameter; the longest key equal to it or a dot-prefix of it wins.
+
+    Pass every parameter name, tied ones included (named_parameters(remove_duplicate=False))."""
+    devices = _checked_keys(device_map, param_names)
+    resolved = {name: _lookup(name, devices) for name in param_names}
+    if None in resolved.values():
+        covered = {name: device is not None for name, device in resolved.items()}
+        missing = [name for name, ok in _collapse(covered).items() if not ok]
+        raise ValueError(
+            f"device_map gives no device for {format_modules(missing)}; "
+            "add keys for them, or a '' key for the whole model."
+        )
+    return resolved  # type: ignore[return-value]
+
+
+def _checked_keys(device_map: Mapping[str, Any], param_names: Sequence[str]) -> dict[str, str]:
+    modules = {name.rsplit(".", i)[0] for name in param_names for i in range(1, name.count(".") + 1)}
+    valid = modules | set(param_names) | _PARAMETERLESS | {""}
+    devices = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise ValueError(
+                f"device_map key {key!r} is not a string; use module names like 'model.layers.0', or ''."
+            )
+        if key not in valid:
+            nearest = difflib.get_close_matches(key, sorted(modules), n=3) or sorted(modules, key=len)[:3]
+            raise ValueError(
+                f"device_map key {key!r} names no module of this model; nearest valid names: {', '.join(nearest)}."
+            )
+        devices[key] = _device(value, f"device_map[{key!r}] =")
+    return devices
+
+
+def _lookup(name: str, devices: Mapping[str, str]) -> str | None:
+    key = name
+    while key not in devices:
+        if not key:
+            return None
+        key = key.rpartition(".")[0]
+    return devices[key]
+
+
+def module_map(param_map: Mapping[str, str]) -> dict[str, str]:
+    """A per-parameter map collapsed to the shape of transformers' hf_device_map, in model order."""
+    return _collapse(param_map)
+
+
+# ---------------------------------------------------------------- reading a map
+
+
+def execution_device(module_map: Mapping[str, Any]) -> str:
+    """The first accelerator in the map (lowest cuda index, else mps), else "cpu"."""
+    devices = {normalize_device(device) for device in module_map.values()}
+    cuda = sorted((d for d in devices if d.startswith("cuda:")), key=lambda d: int(d[5:]))
+    return cuda[0] if cuda else "mps" if "mps" in devices else "cpu"
+
+
+def offloaded_modules(module_map: Mapping[str, Any]) -> dict[str, list[str]]:
+    """{"cpu": names on cpu while an accelerator executes, "disk": names on disk}, in model order."""
+    executor = execution_device(module_map)
+    names = sorted(module_map, key=_order_key)
+    placed = {name: normalize_device(module_map[name]) for name in names}
+    return {
+        "cpu": [n for n in names if placed[n] == "cpu" and executor != "cpu"],
+        "disk": [n for n in names if placed[n] == "disk"],
+    }
+
+
+# ---------------------------------------------------------------- computing a map
+
+
+def available_memory() -> dict[str, int]:
+    """Free bytes on each visible GPU and available CPU RAM, each less 10% headroom."""
+    import torch
+
+    budgets = {}
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            budgets[f"cuda:{index}"] = int(torch.cuda.mem_get_info(index)[0] * 0.9)
+    budgets["cpu"] = int(_cpu_available() * 0.9)
+    return budgets
+
+
+def _cpu_available() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def infer_device_map(
+    param_bytes: Mapping[str, int],
+    max_memory: Mapping[Any, int | str] | None,
+    strategy: str = "auto",
+    *,
+    tied: Sequence[tuple[str, str]] = (),
+    reserve_bytes: int = 0,
+) -> dict[str, str]:
+    """A module-level map filling accelerators, then cpu, then disk, within max_memory (None: what is free).
+
+    "auto"/"sequential" fill accelerators in index order; "balanced" spreads layers evenly over them."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"device map strategy {strategy!r} is not valid; use one of {', '.join(STRATEGIES)}."
+        )
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes {reserve_bytes!r} is not valid; give a number of bytes >= 0.")
+    budgets = available_memory() if max_memory is None else parse_max_memory(max_memory)
+    units, leaders = _placement_units(param_bytes, tied)
+    placement = _place(units, budgets, strategy, reserve_bytes)
+    placement.update({follower: placement[leader] for follower, leader in leaders.items()})
+    return {unit: placement[unit] for unit in sorted(placement, key=_order_key)}
+
+
+def _placement_units(
+    param_bytes: Mapping[str, int], tied: Sequence[tuple[str, str]]
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Bytes per unit in model order (a tied tensor counted once, in its first unit) and {follower: leader}."""
+    sizes = dict(param_bytes)
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"param_bytes[{name!r}] = {size!r} is not a byte count; give an int >= 0.")
+    leaders: dict[str, str] = {}
+    for pair in tied:
+        if not any(name in sizes for name in pair):
+            raise ValueError(
+                f"tied pair {pair!r} names no parameter in param_bytes; tie existing parameters."
+            )
+        first, second = sorted(pair, key=_order_key)
+        sizes[first], sizes[second] = max(sizes.get(first, 0), sizes.get(second, 0)), 0
+        if _unit(first) != _unit(second):
+            leaders[_unit(second)] = _unit(first)
+    units: dict[str, int] = {}
+    for name in sorted(sizes, key=_order_key):
+        units[_unit(name)] = units.get(_unit(name), 0) + sizes[name]
+    roots = {}
+    for follower in leaders:
+        root = leaders[follower]
+        while root in leaders:
+            root = leaders[root]
+        roots[follower] = root
+    for follower, root in roots.items():
+        units[root] += units.pop(follower)
+    return units, roots
+
+
+def _place(units: dict[str, int], budgets: dict[str, int], strategy: str, reserve: int) -> dict[str, str]:
+    accelerators = sorted((d for d, b in budgets.items() if d != "cpu" and b > 0), key=_device_order)
+    while True:
+        devices = [*accelerators, "cpu", "disk"]
+        if strategy == "balanced" and (placement := _balanced(units, accelerators, budgets)):
+            return placement
+        placement = _fill_with_reserve(units, devices, budgets, reserve)
+        if not accelerators or accelerators[0] in placement.values():
+            return placement
+        accelerators = accelerators[1:]  # nothing fits beside the reserve: the next device executes
+
+
+def _device_order(device: str) -> tuple[int, int]:
+    return (0, int(device[5:])) if device.startswith("cuda:") else (1, 0)
+
+
+def _balanced(
+    units: dict[str, int], accelerators: list[str], budgets: dict[str, int]
+) -> dict[str, str] | None:
+    """Layers split evenly by count over the accelerators, or None when that does not fit."""
+    layers = [unit for unit in units if _LAYER_RE.fullmatch(unit)]
+    if len(accelerators) < 2 or not layers:
+        return None
+    share = {layer: accelerators[i * len(accelerators) // len(layers)] for i, layer in enumerate(layers)}
+    placement, device, used = {}, accelerators[0], dict.fromkeys(accelerators, 0)
+    for unit, size in units.items():
+        device = share.get(unit, device)
+        placement[unit] = device
+        used[device] += size
+    return placement if all(used[d] <= budgets[d] for d in accelerators) else None
+
+
+def _fill_with_reserve(
+    units: dict[str, int], devices: list[str], budgets: dict[str, int], reserve: int
+) -> dict[str, str]:
+    """Sequential fill keeping room on the executing device for the KV cache and the streamed unit."""
+    executor, reserved = devices[0], 0
+    while True:
+        caps = {device: budgets.get(device, 0) for device in devices}
+        caps[executor] = max(0, caps[executor] - reserved)
+        placement = _fill(units, devices, caps)
+        offloaded = [u for u, d in placement.items() if d == "disk" or (d == "cpu" and executor != "cpu")]
+        if not offloaded:
+            return placement
+        streamed = max(offloaded, key=lambda unit: units[unit])
+        need = reserve + units[streamed]
+        if need <= reserved:
+            return placement
+        if need > budgets.get(executor, 0):
+            raise ValueError(
+                _too_small(executor, budgets.get(executor, 0), streamed, units[streamed], reserve)
+            )
+        reserved = need
+
+
+def _fill(units: dict[str, int], devices: list[str], caps: dict[str, int]) -> dict[str, str]:
+    placement, used, index = {}, dict.fromkeys(devices, 0), 0
+    for unit, size in units.items():
+        while devices[index] != "disk" and used[devices[index]] + size > caps[devices[index]]:
+            index += 1
+        placement[unit] = devices[index]
+        used[devices[index]] += size
+    return placement
+
+
+def _too_small(device: str, budget: int, streamed: str, size: int, reserve: int) -> str:
+    cache = f" plus the KV cache ({_format_bytes(reserve)})" if reserve else ""
+    return (
+        f"max_memory[{device!r}] = {_format_bytes(budget)} is too small: the streamed layer {streamed} "
+        f"({_format_bytes(size)}){cache} must fit there."
+    )
+
+
+def _format_bytes(size: int) -> str:
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
