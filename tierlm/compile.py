@@ -1,9 +1,17 @@
-"""The compile decision: whether generate() compiles the decode step, and why not."""
+"""The compile decision: whether generate() compiles the decode step, and why not.
+
+`decide()` is the only place that decides. It looks at the resolved placement, the cache and the
+generation config (never at a loaded model), so any placement can be reasoned about on any machine.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tierlm.placement.device_map import execution_device, format_modules, offloaded_modules
 
 
 class CompileSkippedWarning(UserWarning):
@@ -19,3 +27,87 @@ class CompileConfig:
     backend: str = "inductor"
     mode: str | None = None  # None: "reduce-overhead" on CUDA, "default" elsewhere
     options: dict[str, Any] | None = None
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.fullgraph,
+                self.dynamic,
+                self.backend,
+                self.mode,
+                tuple(sorted((self.options or {}).items())),
+            )
+        )
+
+    def resolved_mode(self, device: str) -> str:
+        if self.mode is not None:
+            return self.mode
+        return "reduce-overhead" if device.startswith("cuda") else "default"
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether the decode step is compiled, and every reason it is not."""
+
+    compile: bool
+    reasons: tuple[str, ...] = ()
+    device: str = "cpu"
+
+    def explain(self) -> str:
+        if self.compile:
+            return f"compile: yes (decode step on {self.device})"
+        return "compile: no (" + "; ".join(self.reasons) + ")"
+
+
+def decide(
+    placement: Mapping[str, Any] | None,
+    cache: Any,
+    generation_config: Any,
+    *,
+    uncompilable: Sequence[str] = (),
+) -> CompileDecision:
+    """Compile only if enabled, the cache is compilable, the device is supported and nothing is offloaded.
+
+    placement: the resolved module -> device map (None: the whole model on the CPU). cache: a cache object
+    or its kind ("static", "dynamic"). uncompilable: reasons the model itself cannot be compiled.
+    """
+    placement = dict(placement) if placement else {"": "cpu"}
+    device = execution_device(placement)
+    config = generation_config
+    reasons: list[str] = []
+    if config.disable_compile:
+        reasons.append("disable_compile=True")
+    kind = cache if isinstance(cache, str) else cache.kind
+    compileable = cache == "static" if isinstance(cache, str) else cache.is_compileable
+    if not compileable:
+        reasons.append(f"cache {kind!r} is not compilable; use cache_implementation='static'")
+    if not device.startswith("cuda") and config.compile_config is None:
+        reasons.append(f"execution device {device!r} compiles only when compile_config is set")
+    offloaded = offloaded_modules(placement)
+    for tier in ("cpu", "disk"):
+        if offloaded.get(tier):
+            names = offloaded[tier]
+            verb = "is" if len(names) == 1 else "are"
+            reasons.append(f"{format_modules(names)} {verb} offloaded to {tier}")
+    reasons.extend(uncompilable)
+    return CompileDecision(not reasons, tuple(reasons), device)
+
+
+_warned: set[tuple[str, ...]] = set()  # causes already reported in this process
+
+
+def warn_if_skipped(decision: CompileDecision, generation_config: Any) -> None:
+    """Warn once per distinct cause when compile_config was set but the step will not be compiled."""
+    if decision.compile or generation_config.compile_config is None:
+        return
+    reasons = decision.reasons
+    if generation_config.disable_compile:
+        reasons = ("disable_compile=True overrides compile_config",)
+    if reasons in _warned:
+        return
+    _warned.add(reasons)
+    warnings.warn(
+        "compile_config is set but the decode step will not be compiled: " + "; ".join(reasons),
+        CompileSkippedWarning,
+        stacklevel=3,
+    )

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
+from tierlm.cache import StaticCache
+from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
+from tierlm.generation.config import GenerationConfig
+from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -21,6 +25,9 @@ class Model:
         self.decoder = decoder
         self.path = path
         self.tokenizer = tokenizer
+        self.device_map: dict[str, str] = {"": str(self.device)}
+        self._static_caches: dict[tuple, StaticCache] = {}
+        self._compiled: dict[tuple, object] = {}
 
     @property
     def config(self) -> ModelConfig:
@@ -40,6 +47,96 @@ class Model:
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
         return self.decoder(input_ids, attention_mask=attention_mask)
+
+    def uncompilable_reasons(self) -> tuple[str, ...]:
+        """Reasons, beyond placement and cache, that the forward cannot be compiled (none yet)."""
+        return ()
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts, generation_config: GenerationConfig | None = None, **overrides
+    ) -> GenerationResult:
+        """Generate for a string, a list of strings or a LongTensor of token ids (one row per prompt)."""
+        config = GenerationConfig.from_overrides(generation_config, **overrides)
+        gen = Generation(self, prompts, config)
+        for _ in gen.events():
+            pass
+        return gen.result()
+
+    def stream(self, prompt, generation_config: GenerationConfig | None = None, **overrides):
+        """Yield text deltas for one prompt as tokens are generated."""
+        for row, delta, _finished, _reason in self.stream_batch([prompt], generation_config, **overrides):
+            assert row == 0
+            if delta:
+                yield delta
+
+    def stream_batch(self, prompts, generation_config: GenerationConfig | None = None, **overrides):
+        """Yield (row, text delta, finished, finish_reason) for a batch of prompts, step by step."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        config = GenerationConfig.from_overrides(generation_config, **overrides)
+        with torch.inference_mode():
+            gen = Generation(self, prompts, config)
+            if gen.trackers is None:
+                raise ValueError("streaming text needs a tokenizer; this model has none")
+            for events in gen.events():
+                for e in events:
+                    if e.finished:
+                        gen.trackers[e.row].finish()
+                    yield e.row, gen.trackers[e.row].delta(e.finished), e.finished, e.finish_reason
+
+    def static_cache(self, batch: int, length: int) -> StaticCache:
+        """A static cache for (batch, length), reused across calls so compiled steps are reused too."""
+        key = (batch, length, self.dtype)
+        cache = self._static_caches.get(key)
+        if cache is None:
+            cache = StaticCache(self.config, batch, length, self.dtype, self.device)
+            self._static_caches[key] = cache
+        cache.reset()
+        return cache
+
+    def eager_step(self, cache):
+        ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
+        static = isinstance(cache, StaticCache)
+
+        def step(tokens, positions, slots, length):
+            if static:
+                cache.limit = length  # read only the slots in use
+            return self.decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)[
+                :, -1
+            ].float()
+
+        return step
+
+    def compiled_step(self, cache: StaticCache, compile_config: CompileConfig | None):
+        """The compiled decode step for this cache shape, built once and reused by later calls."""
+        cc = compile_config or CompileConfig()
+        key = (cc, cache.batch, cache.max_len, self.dtype)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=self.device)
+            decoder = self.decoder
+
+            def decode_step(tokens, positions, slots):
+                return decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)[
+                    :, -1
+                ].float()
+
+            compiled = torch.compile(
+                decode_step,
+                fullgraph=cc.fullgraph,
+                dynamic=cc.dynamic,
+                backend=cc.backend,
+                mode=cc.resolved_mode(str(self.device)) if cc.backend == "inductor" else None,
+                options=cc.options,
+            )
+            self._compiled[key] = compiled
+
+        def step(tokens, positions, slots, length):
+            cache.limit = cache.max_len  # fixed shapes: the graph always reads the whole cache
+            return compiled(tokens, positions, slots)
+
+        return step
 
 
 def load(
