@@ -74,16 +74,14 @@ class Model:
         """Yield (row, text delta, finished, finish_reason) for a batch of prompts, step by step."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        config = GenerationConfig.from_overrides(generation_config, **overrides)
+        yield from self.start(
+            prompts, GenerationConfig.from_overrides(generation_config, **overrides)
+        ).stream()
+
+    def start(self, prompts, config: GenerationConfig, **rows) -> Generation:
+        """A generation to drive step by step (`.stream()`, `.cancel(row)`, `.result()`); see Generation."""
         with torch.inference_mode():
-            gen = Generation(self, prompts, config)
-            if gen.trackers is None:
-                raise ValueError("streaming text needs a tokenizer; this model has none")
-            for events in gen.events():
-                for e in events:
-                    if e.finished:
-                        gen.trackers[e.row].finish()
-                    yield e.row, gen.trackers[e.row].delta(e.finished), e.finished, e.finish_reason
+            return Generation(self, prompts, config, **rows)
 
     def static_cache(self, batch: int, length: int) -> StaticCache:
         """A static cache for (batch, length), reused across calls so compiled steps are reused too."""

@@ -55,6 +55,8 @@ class LoopState:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    limits: list[int] = field(default_factory=list)  # per-row max_new_tokens (default: the config's)
+    cancelled: set[int] = field(default_factory=set)  # rows to end at the next step boundary
 
 
 class Sampler:
@@ -113,6 +115,7 @@ def run_decode(
     device = batch.ids.device
     eos = torch.tensor(eos_ids or (-1,), dtype=torch.long, device=device)
     sampler = Sampler(config, batch, vocab, eos)
+    limits = state.limits or [config.max_new_tokens] * b
     state.tokens = [[] for _ in range(b)]
     state.finish_reasons = [None] * b
     running = [True] * b
@@ -128,7 +131,7 @@ def run_decode(
     eos_set = set(eos_ids)
     pad = torch.full((b,), pad_id, dtype=torch.long, device=device)
     done, n_done = None, 0  # device mask of finished rows, rebuilt only when a row finishes
-    for i in range(config.max_new_tokens):
+    for i in range(max(limits)):
         events = []
         for row in range(b):
             if not running[row]:
@@ -138,7 +141,9 @@ def run_decode(
             stop_hit = should_stop is not None and should_stop(row)  # sees every token, EOS included
             if stop_hit or host[row] in eos_set:  # EOS cannot be sampled before min_new_tokens
                 reason = "stop"
-            elif i + 1 == config.max_new_tokens:
+            elif row in state.cancelled:
+                reason = "cancelled"
+            elif i + 1 >= limits[row]:
                 reason = "length"
             if reason is not None:
                 running[row] = False

@@ -75,7 +75,15 @@ class TextTracker:
 class Generation:
     """One generate() call over a batch: builds the cache, decides compilation, runs the loop."""
 
-    def __init__(self, model, prompts, config: GenerationConfig) -> None:
+    def __init__(
+        self,
+        model,
+        prompts,
+        config: GenerationConfig,
+        row_max_new_tokens: list[int] | None = None,
+        row_stops: list[tuple[str, ...]] | None = None,
+    ) -> None:
+        """Rows share `config`, except optional per-row max_new_tokens (<= config's) and stop strings."""
         self.model, self.config = model, config
         tok = model.tokenizer
         rows = encode_prompts(tok, prompts)
@@ -85,15 +93,18 @@ class Generation:
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.batch: Batch = left_pad(rows, self.pad_id, model.device)
         self.cache = self._make_cache(self.batch.ids.shape[1])
+        if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
+            raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
         self.decision = decide(
             model.device_map, self.cache, config, uncompilable=model.uncompilable_reasons()
         )
         warn_if_skipped(self.decision, config)
-        self.state = LoopState()
+        self.state = LoopState(limits=list(row_max_new_tokens or []))
+        stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
         if tok is not None:
-            self.trackers = [TextTracker(tok.stream_decoder(), config.stop) for _ in rows]
-        elif config.stop:
+            self.trackers = [TextTracker(tok.stream_decoder(), s) for s in stops]
+        elif any(stops):
             raise ValueError("stop strings need a tokenizer; this model has none")
 
     def _make_cache(self, width: int):
@@ -136,7 +147,7 @@ class Generation:
 
     def events(self) -> Iterator[list[StepEvent]]:
         should_stop = None
-        if self.trackers is not None and self.config.stop:
+        if self.trackers is not None and any(t.stops for t in self.trackers):
 
             def should_stop(row: int) -> bool:
                 return self.trackers[row].stopped_at is not None
@@ -164,6 +175,21 @@ class Generation:
             return should_stop(row) if should_stop else False
 
         return check
+
+    def stream(self) -> Iterator[tuple[int, str, bool, str | None]]:
+        """Yield (row, text delta, finished, finish_reason) per row and step."""
+        if self.trackers is None:
+            raise ValueError("streaming text needs a tokenizer; this model has none")
+        with torch.inference_mode():
+            for events in self.events():
+                for e in events:
+                    if e.finished:
+                        self.trackers[e.row].finish()
+                    yield e.row, self.trackers[e.row].delta(e.finished), e.finished, e.finish_reason
+
+    def cancel(self, row: int) -> None:
+        """End `row` at the next step boundary (e.g. its client went away)."""
+        self.state.cancelled.add(row)
 
     def result(self) -> GenerationResult:
         texts = []
