@@ -13,6 +13,7 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder
+from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
 from tierlm.weights.load import build_decoder, default_model_path, open_checkpoint, resolve_dtype
@@ -151,10 +152,15 @@ def load(
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_file() and path.suffix == ".gguf":
         decoder = _load_gguf(path, dtype, device, progress)
+        tokenizer = gguf_cache.open_cached_tokenizer(path)
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_gguf(path)
+            gguf_cache.store_tokenizer(path, tokenizer)
     else:
         checkpoint = open_checkpoint(path)
         decoder = build_decoder(checkpoint, resolve_dtype(dtype, checkpoint, device), device, progress)
-    return Model(decoder, path)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    return Model(decoder, path, tokenizer)
 
 
 def _load_gguf(path: Path, dtype, device: torch.device, progress) -> Decoder:

@@ -34,10 +34,14 @@ class Decoder(nn.Module):
 
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
-        if self.rope_cos is not None and self.rope_cos.shape[0] >= length and self.rope_cos.device == device:
+        device = torch.device(device)
+        dtype = self.model.embed_tokens.weight.dtype
+        cos = self.rope_cos
+        if cos is not None and cos.shape[0] >= length and cos.device == device and cos.dtype == dtype:
             return
         size = -(-max(length, 1) // ROPE_CHUNK) * ROPE_CHUNK
-        self.rope_cos, self.rope_sin = rope_tables(self.config, size, device)
+        cos, sin = rope_tables(self.config, size, device)  # computed in fp32, stored in the model dtype
+        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
 
     def forward(
         self,

@@ -93,3 +93,38 @@ def _atomic_write(target: Path, write) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def open_cached_tokenizer(gguf_path: Path):
+    """The GGUF file's tokenizer from the cache, or None."""
+    from tokenizers import Tokenizer as Backend
+
+    from tierlm.tokenizer import SpecialTokens, Tokenizer
+
+    folder = cache_dir(gguf_path)
+    try:
+        meta = json.loads((folder / "tokenizer-meta.json").read_text())
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+    except (OSError, ValueError, Exception):  # tokenizers raises its own Exception type on bad files
+        return None
+    special = SpecialTokens(meta["bos_id"], tuple(meta["eos_ids"]), meta["pad_id"], meta["unk_id"])
+    return Tokenizer(backend, special, add_bos=meta["add_bos"], chat_template=meta["chat_template"])
+
+
+def store_tokenizer(gguf_path: Path, tokenizer) -> None:
+    folder = cache_dir(gguf_path)
+    s = tokenizer.special
+    meta = {
+        "bos_id": s.bos_id,
+        "eos_ids": list(s.eos_ids),
+        "pad_id": s.pad_id,
+        "unk_id": s.unk_id,
+        "add_bos": tokenizer.add_bos,
+        "chat_template": tokenizer.chat_template,
+    }
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "tokenizer.json", lambda p: p.write_text(tokenizer.backend.to_str()))
+        _atomic_write(folder / "tokenizer-meta.json", lambda p: p.write_text(json.dumps(meta)))
+    except OSError as e:
+        warnings.warn(f"could not cache the tokenizer in {folder}: {e}", stacklevel=2)

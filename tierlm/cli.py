@@ -1,0 +1,290 @@
+"""`tierlm generate | chat | plan | bench | serve`: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags are one line on stderr and exit code 2, not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"tierlm: error: {message} (see tierlm {self.prog.split()[-1]} --help)\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="execution device when no device map is given")
+    p.add_argument("--device-map", help='JSON map such as {"model.layers.1": "disk", "": "cpu"}, or auto')
+    p.add_argument("--max-memory", help="budgets such as cpu=2GiB,0=20GiB (with --device-map auto)")
+    p.add_argument("--offload-folder", help="folder for disk-offloaded weights that need conversion")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--min-new-tokens", type=int, default=0)
+    p.add_argument("--do-sample", action="store_true", help="sample (implied by --temperature > 0)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--cache", choices=("static", "dynamic"), default="static")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (CompileConfig())")
+    p.add_argument("--no-compile", action="store_true", help="never compile (disable_compile=True)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="tierlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    gen = sub.add_parser("generate", help="generate text for a prompt (argument or stdin)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; read from stdin when absent")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", help="system prompt (implies --chat)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    gen.add_argument("--explain", action="store_true", help="print the compile decision and its reasons")
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (exit with /exit or EOF)")
+    add_model_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", help="system prompt")
+
+    plan = sub.add_parser("plan", help="show placement and the compile decision without loading weights")
+    add_model_args(plan)
+    plan.add_argument("--cache", choices=("static", "dynamic"), default="static")
+    plan.add_argument("--compile", action="store_true")
+
+    bench = sub.add_parser("bench", help="run benchmarks/decode.py (tierlm vs transformers vs llama.cpp)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for benchmarks/decode.py")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--compile", action="store_true")
+    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--api-key")
+    return parser
+
+
+def status(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def load_model(args):
+    import tierlm
+
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="loading weights", unit="tensor", file=sys.stderr, leave=False)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    status(f"tierlm: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    start = time.perf_counter()
+    model = tierlm.load(
+        args.model, dtype=args.dtype, device=args.device, progress=progress, **placement_kwargs(args)
+    )
+    if bar is not None:
+        bar.close()
+    status(f"tierlm: loaded in {time.perf_counter() - start:.1f} s ({model.dtype}, {model.device})")
+    return model
+
+
+def placement_kwargs(args) -> dict:
+    kwargs = {}
+    if getattr(args, "device_map", None):
+        dm = args.device_map
+        kwargs["device_map"] = (
+            dm if dm in ("auto", "balanced", "sequential") else _json_arg(dm, "--device-map")
+        )
+    if getattr(args, "max_memory", None):
+        from tierlm.placement.device_map import parse_max_memory_arg
+
+        kwargs["max_memory"] = parse_max_memory_arg(args.max_memory)
+    if getattr(args, "offload_folder", None):
+        kwargs["offload_folder"] = args.offload_folder
+    return kwargs
+
+
+def _json_arg(text: str, flag: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+
+
+def generation_config(args):
+    from tierlm.compile import CompileConfig
+    from tierlm.generation.config import GenerationConfig
+
+    sample = args.do_sample or (args.temperature is not None and args.temperature > 0)
+    return GenerationConfig.from_overrides(
+        None,
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
+        do_sample=sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        cache_implementation=args.cache,
+        compile_config=CompileConfig() if args.compile else None,
+        disable_compile=args.no_compile,
+    )
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("empty prompt: give one as an argument or on stdin")
+    config = generation_config(args)
+    model = load_model(args)
+    if args.chat or args.system:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    gen = model.start([prompt], config)
+    if args.explain:
+        status(f"tierlm: {gen.decision.explain()}")
+    for _row, delta, _finished, _reason in gen.stream():
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = gen.result()
+    if args.json:
+        print(json.dumps(result_json(result)))
+    else:
+        sys.stdout.write("\n")
+        s = result.stats
+        status(
+            f"tierlm: {s.new_tokens} tokens, prefill {s.prefill_seconds:.2f} s, {s.decode_tokens_per_s:.1f} tok/s"
+        )
+    return 0
+
+
+def result_json(result) -> dict:
+    s = result.stats
+    return {
+        "text": result.texts[0],
+        "token_ids": result.token_ids[0],
+        "finish_reason": result.finish_reasons[0],
+        "stats": {
+            "prompt_tokens": s.prompt_tokens,
+            "new_tokens": s.new_tokens,
+            "prefill_seconds": s.prefill_seconds,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
+            "cache": s.cache,
+            "compiled": s.compile.compile,
+            "compile_reasons": list(s.compile.reasons),
+        },
+    }
+
+
+def cmd_chat(args) -> int:
+    config = generation_config(args)
+    model = load_model(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        reply = []
+        for _row, delta, _f, _r in model.start([prompt], config).stream():
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_plan(args) -> int:
+    from tierlm.plan import describe_plan
+
+    print(
+        describe_plan(
+            args.model, cache=args.cache, compile=args.compile, device=args.device, **placement_kwargs(args)
+        )
+    )
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} not found: tierlm bench runs from a source checkout")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from tierlm.server import run_server
+
+    model = load_model(args)
+    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    run_server(
+        model,
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        max_batch_size=args.max_batch_size,
+        api_key=args.api_key,
+        compile=args.compile,
+    )
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "plan": cmd_plan,
+    "bench": cmd_bench,
+    "serve": cmd_serve,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"tierlm: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ntierlm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
