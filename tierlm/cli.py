@@ -13,7 +13,7 @@ class OneLineParser(argparse.ArgumentParser):
     """Bad flags are one line on stderr and exit code 2, not a usage dump."""
 
     def error(self, message: str):
-        self.exit(2, f"tierlm: error: {message} (see tierlm {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"tierlm: error: {message} (see {self.prog} --help)\n")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
