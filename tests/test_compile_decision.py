@@ -1,0 +1,102 @@
+"""decide(): the one place that says whether the decode step is compiled, with reasons naming specifics."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tierlm.compile import CompileConfig, CompileDecision, CompileSkippedWarning, decide, warn_if_skipped
+from tierlm.generation.config import GenerationConfig
+
+SEED_MAP = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": 0}
+STATIC = GenerationConfig(cache_implementation="static")
+
+
+def normalized(m):
+    from tierlm.placement.device_map import normalize_device
+
+    return {k: normalize_device(v) for k, v in m.items()}
+
+
+def test_seed_map_with_cpu_offload_does_not_compile():
+    d = decide(normalized(SEED_MAP), "static", STATIC)
+    assert not d.compile
+    assert d.reasons == ("model.layers.1, model.norm are offloaded to cpu",)
+
+
+def test_seed_map_with_disk_offload_does_not_compile():
+    disk = {**SEED_MAP, "model.layers.1": "disk", "model.norm": "disk"}
+    d = decide(normalized(disk), "static", STATIC)
+    assert not d.compile
+    assert d.reasons == ("model.layers.1, model.norm are offloaded to disk",)
+
+
+def test_disk_reasons_collapse_layer_runs():
+    layers = {f"model.layers.{i}": ("cuda:0" if i < 15 else "disk") for i in range(30)}
+    m = {"model.embed_tokens": "cuda:0", **layers, "model.norm": "disk", "lm_head": "cuda:0"}
+    assert decide(m, "static", STATIC).reasons == ("model.layers.15-29, model.norm are offloaded to disk",)
+
+
+def test_all_on_gpu_compiles_in_reduce_overhead_mode():
+    all_gpu = normalized(dict.fromkeys(SEED_MAP, 0))
+    d = decide(all_gpu, "static", STATIC)
+    assert d == CompileDecision(True, (), "cuda:0")
+    assert CompileConfig().resolved_mode(d.device) == "reduce-overhead"
+    assert CompileConfig().resolved_mode("cpu") == "default"
+
+
+def test_all_cpu_with_compile_config_compiles():
+    all_cpu = dict.fromkeys(SEED_MAP, "cpu")
+    assert decide(all_cpu, "static", STATIC.replace(compile_config=CompileConfig())).compile
+
+
+def test_cpu_without_compile_config_does_not_compile():
+    d = decide(dict.fromkeys(SEED_MAP, "cpu"), "static", STATIC)
+    assert not d.compile and "compile_config" in d.reasons[0]
+
+
+def test_dynamic_cache_does_not_compile():
+    d = decide(normalized(dict.fromkeys(SEED_MAP, 0)), "dynamic", STATIC)
+    assert d.reasons == ("cache 'dynamic' is not compilable; use cache_implementation='static'",)
+
+
+def test_disable_compile_wins_and_warns_only_when_compile_was_asked():
+    gpu = normalized(dict.fromkeys(SEED_MAP, 0))
+    off = STATIC.replace(disable_compile=True)
+    d = decide(gpu, "static", off)
+    assert not d.compile and d.reasons == ("disable_compile=True",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_skipped(d, off)  # no compile_config: nothing to warn about
+    both = off.replace(compile_config=CompileConfig())
+    with pytest.warns(CompileSkippedWarning, match="disable_compile=True overrides compile_config"):
+        warn_if_skipped(decide(gpu, "static", both), both)
+
+
+def test_every_failing_condition_adds_its_reason():
+    disk = {**SEED_MAP, "model.norm": "disk"}
+    d = decide(normalized(disk), "dynamic", STATIC.replace(disable_compile=True), uncompilable=("int4 weights",))
+    assert d.reasons == (
+        "disable_compile=True",
+        "cache 'dynamic' is not compilable; use cache_implementation='static'",
+        "model.layers.1 is offloaded to cpu",
+        "model.norm is offloaded to disk",
+        "int4 weights",
+    )
+
+
+def test_skip_warning_is_emitted_once_per_cause():
+    config = STATIC.replace(compile_config=CompileConfig())
+    cause = decide({"": "cpu", "model.layers.3": "disk"}, "static", config)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            warn_if_skipped(cause, config)
+        other = decide({"": "cpu", "model.layers.4": "disk"}, "static", config)
+        warn_if_skipped(other, config)
+    skipped = [w for w in seen if issubclass(w.category, CompileSkippedWarning)]
+    assert [str(w.message).split(": ", 1)[1] for w in skipped] == [
+        "model.layers.3 is offloaded to disk",
+        "model.layers.4 is offloaded to disk",
+    ]
