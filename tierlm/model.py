@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,20 +14,32 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder
+from tierlm.placement.offload import Streamer, Unit
+from tierlm.placement.placer import Placement, disk_sources, resolve
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
 from tierlm.weights.load import build_decoder, default_model_path, open_checkpoint, resolve_dtype
+from tierlm.weights.safetensors import SafetensorsCheckpoint
 
 
 class Model:
     """A loaded model: `model(input_ids)` gives logits [batch, seq, vocab]; `model.config` its shape."""
 
-    def __init__(self, decoder: Decoder, path: Path, tokenizer=None) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        path: Path,
+        tokenizer=None,
+        placement: Placement | None = None,
+        streamer: Streamer | None = None,
+    ) -> None:
         self.decoder = decoder
         self.path = path
         self.tokenizer = tokenizer
-        self.device_map: dict[str, str] = {"": str(self.device)}
+        self.placement = placement
+        self.streamer = streamer
+        self.device_map: dict[str, str] = placement.module_map if placement else {"": "cpu"}
         self._static_caches: dict[tuple, StaticCache] = {}
         self._compiled: dict[tuple, object] = {}
 
@@ -36,11 +49,12 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.decoder.model.embed_tokens.weight.dtype
+        return self.decoder.compute_dtype
 
     @property
     def device(self) -> torch.device:
-        return self.decoder.model.embed_tokens.weight.device
+        """The execution device (where activations and the KV cache live)."""
+        return self.placement.device if self.placement else torch.device("cpu")
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,37 +157,113 @@ def load(
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
+    device_map: dict | str | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | Path | None = None,
+    execution_device: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Model:
-    """Load an HF safetensors folder or a GGUF file (default: the embedded SmolLM2-135M-Instruct)."""
+    """Load an HF safetensors folder or a GGUF file (default: the embedded SmolLM2-135M-Instruct).
+
+    device_map: {module name or prefix: device} with devices N / "cuda:N", "mps", "cpu", "disk", or
+    "auto" / "balanced" / "sequential" computed from max_memory ({0: "20GiB", "cpu": "2GiB"}).
+    execution_device: run the map's accelerator entries on this device instead (e.g. "cpu", to
+    exercise cpu offload without an accelerator).
+    """
     path = Path(path) if path is not None else default_model_path()
     device = torch.device(device)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
+    checkpoint, target, tokenizer = _open(path, dtype, device)
+    names, sizes, tied = _parameter_table(checkpoint.config, target)
+    placement = resolve(
+        names,
+        sizes,
+        device_map,
+        max_memory,
+        str(device),
+        tied,
+        _kv_bytes_per_token(checkpoint.config, target),
+        execution_device,
+    )
+    devices = {n: _param_device(placement, n) for n in names}
+    decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
+    folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
+    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied)
+    return Model(decoder, path, tokenizer, placement, streamer)
+
+
+def _open(path: Path, dtype, device: torch.device):
+    """(checkpoint, target dtype, tokenizer). GGUF weights are dequantized once into a disk cache."""
     if path.is_file() and path.suffix == ".gguf":
-        decoder = _load_gguf(path, dtype, device, progress)
+        target = torch.float32 if dtype == "auto" else resolve_dtype(dtype, None, device)
+        try:
+            checkpoint = gguf_cache.ensure(path, target)
+        except OSError as e:
+            warnings.warn(
+                f"cannot cache dequantized GGUF weights ({e}); loading from the GGUF file", stacklevel=3
+            )
+            checkpoint = GGUFCheckpoint(path)
         tokenizer = gguf_cache.open_cached_tokenizer(path)
         if tokenizer is None:
             tokenizer = Tokenizer.from_gguf(path)
             gguf_cache.store_tokenizer(path, tokenizer)
-    else:
-        checkpoint = open_checkpoint(path)
-        decoder = build_decoder(checkpoint, resolve_dtype(dtype, checkpoint, device), device, progress)
-        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return Model(decoder, path, tokenizer)
+        return checkpoint, target, tokenizer
+    checkpoint = open_checkpoint(path)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    return checkpoint, resolve_dtype(dtype, checkpoint, device), tokenizer
 
 
-def _load_gguf(path: Path, dtype, device: torch.device, progress) -> Decoder:
-    """GGUF weights come dequantized from the disk cache when present; the first load fills it."""
-    target = torch.float32 if dtype == "auto" else resolve_dtype(dtype, None, device)
-    cached = gguf_cache.open_cached(path, target)
-    if cached is not None:
-        return build_decoder(cached, target, device, progress)
-    decoder = build_decoder(GGUFCheckpoint(path), target, device, progress)
-    state = {
-        n: p
-        for n, p in decoder.named_parameters()
-        if n != "lm_head.weight" or not decoder.config.tie_word_embeddings
-    }
-    gguf_cache.store(path, decoder.config, state)
-    return decoder
+def _parameter_table(cfg: ModelConfig, dtype: torch.dtype):
+    """All parameter names (tied ones too), their sizes in `dtype`, and the tied pairs."""
+    with torch.device("meta"):
+        probe = Decoder(cfg)
+    params = dict(probe.named_parameters(remove_duplicate=False))
+    sizes = {n: p.numel() * dtype.itemsize for n, p in params.items()}
+    tied = [("model.embed_tokens.weight", "lm_head.weight")] if cfg.tie_word_embeddings else []
+    for _, follower in tied:
+        sizes[follower] = 0
+    return list(params), sizes, tied
+
+
+def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def _param_device(placement: Placement, name: str):
+    tier = placement.tier_of(name)
+    if tier == "disk":
+        return "disk"
+    if tier == "cpu":
+        return torch.device("cpu")
+    return placement.device
+
+
+def _streamer(
+    decoder: Decoder, checkpoint, placement: Placement, dtype, folder: Path, tied
+) -> Streamer | None:
+    """Hooks that stream every offloaded unit's weights; None when everything is resident."""
+    if placement.resident:
+        return None
+    params = dict(decoder.named_parameters(remove_duplicate=False))
+    followers = {f: leader for leader, f in tied}
+    disk_names = [n for n in params if placement.tier_of(n) == "disk" and n not in followers]
+    disk, ranges = {}, {}
+    if disk_names:
+        if not isinstance(checkpoint, SafetensorsCheckpoint):
+            raise ValueError(
+                "disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)"
+            )
+        disk, ranges = disk_sources(checkpoint, disk_names, dtype, folder)
+    for follower, leader in followers.items():
+        if leader in disk:
+            disk[follower], ranges[follower] = disk[leader], ranges[leader]
+    units = []
+    for tier in ("cpu", "disk"):
+        for unit in placement.offloaded[tier]:
+            members = [n for n in params if n == unit or n.startswith(unit + ".")]
+            sources = {n[len(unit) + 1 :]: (disk[n] if tier == "disk" else params[n]) for n in members}
+            units.append(Unit(unit, tier, sources, [ranges[n] for n in members if tier == "disk"]))
+    order = {name: i for i, name in enumerate(placement.module_map)}
+    units.sort(key=lambda u: order[u.name])
+    return Streamer(decoder, units, placement.device, placement.drop_disk_pages)

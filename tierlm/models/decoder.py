@@ -29,13 +29,14 @@ class Decoder(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compute_dtype = torch.float32  # set by the loader
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
         device = torch.device(device)
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.compute_dtype
         cos = self.rope_cos
         if cos is not None and cos.shape[0] >= length and cos.device == device and cos.dtype == dtype:
             return
@@ -69,7 +70,7 @@ class Decoder(nn.Module):
         if cache is not None:
             key_valid = cache.mark_valid(slots, attention_mask)
         else:
-            self.ensure_rope(s, device)
+            self.ensure_rope(s, device)  # without a cache, the caller has not sized the tables
             key_valid = attention_mask
         mask = attention_mask_4d(key_valid, slots)
         rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))

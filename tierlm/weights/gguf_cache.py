@@ -50,31 +50,45 @@ def open_cached(gguf_path: Path, dtype: torch.dtype) -> SafetensorsCheckpoint | 
         return None  # a stale or damaged cache is rebuilt, never trusted
 
 
-def store(gguf_path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Write the dequantized tensors atomically (temporary name, then rename); failures only warn."""
+def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsCheckpoint:
+    """The GGUF file's weights as a safetensors file in `dtype`, dequantized and written once.
+
+    Tensors are dequantized and written one at a time, so the peak memory is one tensor, not the model.
+    """
+    cached = open_cached(gguf_path, dtype)
+    if cached is not None:
+        return cached
+    from tierlm.weights.gguf import GGUFCheckpoint
+
+    gguf = GGUFCheckpoint(gguf_path)
     folder = cache_dir(gguf_path)
-    dtype = next(iter(tensors.values())).dtype
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(config))))
-        _atomic_write(
-            folder / f"weights-{_dtype_name(dtype)}.safetensors", lambda p: write_safetensors(p, tensors)
-        )
-    except OSError as e:
-        warnings.warn(f"could not cache dequantized weights in {folder}: {e}", stacklevel=2)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
+    names = gguf.names()
+    shapes = {n: gguf.shape(n) for n in names}
+
+    def tensors():
+        for i, n in enumerate(names):
+            yield n, gguf.load(n).to(dtype)
+            if progress is not None:
+                progress(i + 1, len(names))
+
+    _atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
+    _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
+    return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Stream tensors into a safetensors file one at a time (save_file would buffer the whole file)."""
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, tensors) -> None:
+    """Stream (name, tensor) pairs into a safetensors file whose header is known up front."""
     header, offset = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, shape in shapes.items():
+        nbytes = dtype.itemsize * _numel(shape)
         header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -82,8 +96,19 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
-        for t in tensors.values():
+        for name, t in tensors:
+            if tuple(t.shape) != tuple(shapes[name]) or t.dtype != dtype:
+                raise ValueError(
+                    f"tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shapes[name]} {dtype}"
+                )
             f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().data)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _atomic_write(target: Path, write) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -100,26 +100,38 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def build_decoder(
     checkpoint: Checkpoint,
     dtype: torch.dtype,
-    device: torch.device,
+    devices: torch.device | Mapping[str, str],
     progress: Callable[[int, int], None] | None = None,
+    pin_cpu: bool = False,
 ) -> Decoder:
-    """The decoder with every tensor read once, straight into `dtype` on `device`."""
+    """The decoder with every tensor read once, straight into `dtype` on its device.
+
+    devices: one device for everything, or a device per parameter name, where "disk" leaves the
+    parameter on the meta device for the offload machinery to fill. pin_cpu: pin CPU tensors (for
+    fast copies to an accelerator).
+    """
     with torch.device("meta"):
         model = Decoder(checkpoint.config)
+    model.compute_dtype = dtype
     wanted = expected_names(model)
     check_names(checkpoint, wanted)
     for i, name in enumerate(wanted):
+        device = devices if isinstance(devices, torch.device) else devices[name]
+        if device == "disk":
+            continue
         value = checkpoint.load(name)
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(value.shape) != expected_shape:
             raise ValueError(
                 f"tensor {name} has shape {tuple(value.shape)}, the config implies {expected_shape}"
             )
-        set_tensor(model, name, value.to(device=device, dtype=dtype))
+        value = value.to(device=device, dtype=dtype)
+        if pin_cpu and value.device.type == "cpu":
+            value = value.pin_memory()
+        set_tensor(model, name, value)
         del value
         if progress is not None:
             progress(i + 1, len(wanted))
     if checkpoint.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.ensure_rope(1, device)
     return model.eval()

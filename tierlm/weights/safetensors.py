@@ -121,3 +121,46 @@ def _check_size(file: Path) -> None:
         raise ValueError(
             f"{file} is truncated: its header describes {end} bytes of data but {actual} are present"
         )
+
+
+_NP_VIEWS = {
+    "F32": ("float32", torch.float32),
+    "F16": ("float16", torch.float16),
+    "BF16": ("int16", torch.bfloat16),
+}
+
+
+def header(file: Path) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
+def mmap_tensors(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors backed by the file's pages (file-backed memory the kernel can drop and re-read)."""
+    import warnings
+
+    import numpy as np
+
+    start, head = header(file)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memmaps: tierlm never writes weights
+        for name in names:
+            info = head[name]
+            np_dtype, dtype = _NP_VIEWS[info["dtype"]]
+            begin, end = info["data_offsets"]
+            count = (end - begin) // np.dtype(np_dtype).itemsize
+            arr = np.memmap(file, dtype=np_dtype, mode="r", offset=start + begin, shape=(count,))
+            out[name] = torch.from_numpy(arr).view(dtype).view(info["shape"])
+    return out
+
+
+def byte_ranges(file: Path, names: list[str]) -> list[tuple[int, int]]:
+    """Absolute (offset, length) of each named tensor's bytes in the file."""
+    start, head = header(file)
+    return [
+        (start + head[n]["data_offsets"][0], head[n]["data_offsets"][1] - head[n]["data_offsets"][0])
+        for n in names
+    ]

@@ -1,0 +1,130 @@
+"""Streaming offloaded modules: fetch weights right before a module runs, prefetch the next one, release after.
+
+A unit is a module mapped to "cpu" (while an accelerator executes) or to "disk". Its weights live in a
+source: pinned CPU tensors, or tensors memory-mapped from a safetensors file. While unit i runs, a
+background thread (or a side CUDA stream) already reads unit i+1; the order wraps around, so the last
+unit of one step prefetches the first unit of the next.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+READ_CHUNK = 16 << 20  # bytes per read() when warming the page cache ahead of use
+_MADV_DONTNEED = 4
+
+
+@dataclass
+class Unit:
+    """One offloaded module and where its weights come from."""
+
+    name: str
+    tier: str  # "cpu" or "disk"
+    sources: dict[str, torch.Tensor]  # parameter name relative to the module -> source tensor
+    ranges: list[tuple[Path, int, int]] = field(default_factory=list)  # disk: (file, offset, length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sources.values())
+
+
+class Streamer:
+    """Installs fetch/release hooks on every offloaded unit of a decoder and runs the prefetch."""
+
+    def __init__(
+        self, decoder: nn.Module, units: list[Unit], device: torch.device, drop_disk_pages: bool
+    ) -> None:
+        self.units, self.device, self.drop_disk_pages = units, device, drop_disk_pages
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tierlm-prefetch")
+        self.pending: dict[int, Future] = {}
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.fetches = 0  # how many unit fetches ran (tests and stats read it)
+        self.prefetched = 0  # how many of them were already under way when needed
+        self._libc = ctypes.CDLL(None, use_errno=True) if drop_disk_pages else None
+        for i, unit in enumerate(units):
+            module = decoder.get_submodule(unit.name)
+            module.register_forward_pre_hook(partial(self._fetch, i))
+            module.register_forward_hook(partial(self._release, i))
+            _assign(module, unit.sources)
+
+    def _load(self, i: int):
+        """Bring unit i's weights to the execution device (runs on the prefetch thread)."""
+        unit = self.units[i]
+        if unit.tier == "disk":
+            read_ahead(unit.ranges)
+        if self.device.type == "cpu" and unit.tier == "disk":
+            return unit.sources, None  # memory-mapped weights are used in place
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                out = {k: t.to(self.device, non_blocking=True) for k, t in unit.sources.items()}
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return out, event
+        return {k: t.to(self.device, copy=True) for k, t in unit.sources.items()}, None
+
+    def _fetch(self, i: int, module: nn.Module, _args) -> None:
+        future = self.pending.pop(i, None)
+        self.fetches += 1
+        if future is not None:
+            self.prefetched += 1
+            tensors, event = future.result()
+        else:
+            tensors, event = self._load(i)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        _assign(module, tensors)
+        nxt = (i + 1) % len(self.units)
+        if nxt not in self.pending:
+            self.pending[nxt] = self.pool.submit(self._load, nxt)
+
+    def _release(self, i: int, module: nn.Module, _args, _output) -> None:
+        unit = self.units[i]
+        _assign(module, unit.sources)  # the device copies go; the sources stay
+        if unit.tier == "disk" and self.drop_disk_pages:
+            for t in unit.sources.values():
+                self._drop_pages(t)
+
+    def _drop_pages(self, t: torch.Tensor) -> None:
+        """Unmap a memory-mapped tensor's pages so a RAM budget holds (the file is re-read next time)."""
+        page = mmap.PAGESIZE
+        start = t.data_ptr()
+        aligned = start - start % page
+        length = t.numel() * t.element_size() + (start - aligned)
+        self._libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+
+
+def read_ahead(ranges: list[tuple[Path, int, int]]) -> None:
+    """Read byte ranges through the page cache in large sequential reads, so use finds them resident."""
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    for file, offset, length in ranges:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            end = offset + length
+            while offset < end:
+                n = os.preadv(fd, [view[: min(READ_CHUNK, end - offset)]], offset)
+                if n <= 0:
+                    break
+                offset += n
+        finally:
+            os.close(fd)

@@ -1,0 +1,170 @@
+"""From a checkpoint and a device map to a placement: one tier per parameter, offloaded units, disk sources."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierlm.placement.device_map import (
+    STRATEGIES,
+    execution_device,
+    expand_device_map,
+    infer_device_map,
+    module_map,
+    offloaded_modules,
+)
+from tierlm.weights.safetensors import SafetensorsCheckpoint, byte_ranges, mmap_tensors
+
+KV_RESERVE_TOKENS = 2048  # "auto" maps keep room for a KV cache of this many tokens (batch 1)
+
+
+@dataclass
+class Placement:
+    """Where every parameter lives and what streams."""
+
+    module_map: dict[str, str]  # HF hf_device_map shape, normalized devices
+    param_devices: dict[str, str]  # full parameter name -> device
+    device: torch.device  # where the forward executes
+    offloaded: dict[str, list[str]]  # {"cpu": [...], "disk": [...]} module names, in model order
+    drop_disk_pages: bool  # a RAM budget is in force: unmap disk-offloaded pages after use
+
+    @property
+    def resident(self) -> bool:
+        return not (self.offloaded["cpu"] or self.offloaded["disk"])
+
+    def tier_of(self, param: str) -> str:
+        """ "resident", "cpu" (offloaded) or "disk" for a parameter."""
+        unit = self.unit_of(param)
+        if unit is None:
+            return "resident"
+        return "cpu" if unit in self.offloaded["cpu"] else "disk"
+
+    def unit_of(self, param: str) -> str | None:
+        for tier in ("cpu", "disk"):
+            for unit in self.offloaded[tier]:
+                if param == unit or param.startswith(unit + "."):
+                    return unit
+        return None
+
+
+def resolve(
+    param_names: list[str],
+    param_bytes: Mapping[str, int],
+    device_map: Any,
+    max_memory: Mapping | None,
+    default_device: str,
+    tied: list[tuple[str, str]],
+    kv_bytes_per_token: int,
+    execution_override: str | None = None,
+) -> Placement:
+    """Expand or infer the map, check ties, and find the execution device (override: run accelerators there)."""
+    if device_map is None:
+        device_map = {"": default_device}
+    if isinstance(device_map, str):
+        if device_map not in STRATEGIES:
+            raise ValueError(
+                f"device_map {device_map!r} is not valid; use a dict or one of {', '.join(STRATEGIES)}"
+            )
+        modules = infer_device_map(
+            param_bytes,
+            max_memory,
+            device_map,
+            tied=tied,
+            reserve_bytes=kv_bytes_per_token * KV_RESERVE_TOKENS,
+        )
+        params = expand_device_map(modules, param_names)
+    elif isinstance(device_map, Mapping):
+        params = expand_device_map(device_map, param_names)
+        modules = module_map(params)
+    else:
+        raise ValueError(f"device_map must be a dict, 'auto', 'balanced' or 'sequential', got {device_map!r}")
+    for leader, follower in tied:
+        if params.get(follower, params[leader]) != params[leader]:
+            raise ValueError(
+                f"{leader} and {follower} are tied (one tensor) and must share a device, "
+                f"got {params[leader]} and {params[follower]}"
+            )
+    accelerators = sorted({d for d in params.values() if d not in ("cpu", "disk")})
+    if len(accelerators) > 1:
+        raise ValueError(
+            f"the map names several accelerators ({', '.join(accelerators)}); tierlm runs on one"
+        )
+    executor = execution_override or execution_device(modules)
+    return Placement(
+        module_map=modules,
+        param_devices=params,
+        device=torch.device(executor),
+        offloaded=offloaded_modules(modules),
+        drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
+    )
+
+
+def disk_sources(
+    checkpoint: SafetensorsCheckpoint, names: list[str], dtype: torch.dtype, offload_folder: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Path, int, int]]]:
+    """Memory-mapped tensors for disk-offloaded parameters, and their byte ranges for read-ahead.
+
+    They come from the checkpoint's own files when the stored dtype is `dtype`; otherwise from an offload
+    folder written once, atomically, and reused while it matches the checkpoint and dtype.
+    """
+    direct = [n for n in names if checkpoint.dtype(n) == dtype]
+    converted = [n for n in names if checkpoint.dtype(n) != dtype]
+    files: dict[str, Path] = {n: checkpoint.files[n] for n in direct}
+    if converted:
+        folder = ensure_offload_folder(checkpoint, converted, dtype, offload_folder)
+        files.update(dict.fromkeys(converted, folder / "weights.safetensors"))
+    tensors, ranges = {}, {}
+    for file in sorted(set(files.values())):
+        group = [n for n in names if files[n] == file]
+        tensors.update(mmap_tensors(file, group))
+        ranges.update({n: (file, off, ln) for n, (off, ln) in zip(group, byte_ranges(file, group))})
+    return tensors, ranges
+
+
+def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
+    """Identity of the checkpoint files and of the set of tensors an offload folder holds."""
+    parts = []
+    for f in sorted(set(checkpoint.files.values())):
+        st = f.stat()
+        parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    parts.extend(sorted(names))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def ensure_offload_folder(checkpoint, names: list[str], dtype: torch.dtype, root: Path) -> Path:
+    """<root>/<key>/weights.safetensors holding `names` in `dtype`; rebuilt when the dtype differs."""
+    from tierlm.weights.gguf_cache import write_safetensors
+
+    folder = root / offload_key(checkpoint, names)
+    manifest = folder / "manifest.json"
+    want = {"dtype": str(dtype), "tensors": sorted(names)}
+    if manifest.is_file() and json.loads(manifest.read_text()) == want:
+        return folder
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{folder.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(
+            f"offload folder {root} is not writable ({e.strerror}); pass a writable offload_folder"
+        ) from None
+    shapes = {n: checkpoint.shape(n) for n in names}
+    write_safetensors(
+        tmp / "weights.safetensors", shapes, dtype, ((n, checkpoint.load(n).to(dtype)) for n in names)
+    )
+    (tmp / "manifest.json").write_text(json.dumps(want))  # written last: a folder without it is never trusted
+    old = root / f".{folder.name}.old-{os.getpid()}"
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
