@@ -44,12 +44,14 @@ FAMILIES = {
 }
 
 
-def write_tiny_checkpoint(folder: Path, family: str, **save_kwargs) -> Path:
+def write_tiny_checkpoint(
+    folder: Path, family: str, config_overrides: dict | None = None, **save_kwargs
+) -> Path:
     """A 2-layer random checkpoint of `family` in fp32, saved with transformers' save_pretrained."""
     import transformers
 
     config_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **(config_overrides or {})})
     torch.manual_seed(hash(family) % 1000)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family == "qwen2":  # biases start at zero; make them matter

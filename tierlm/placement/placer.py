@@ -83,6 +83,9 @@ def resolve(
         params = expand_device_map(modules, param_names)
     elif isinstance(device_map, Mapping):
         params = expand_device_map(device_map, param_names)
+        for leader, follower in tied:  # a tied weight follows its leader unless the map names it
+            if not any(k == follower or follower.startswith(f"{k}.") for k in device_map if k):
+                params[follower] = params[leader]
         modules = module_map(params)
     else:
         raise ValueError(f"device_map must be a dict, 'auto', 'balanced' or 'sequential', got {device_map!r}")

@@ -1,0 +1,216 @@
+"""Placement: cpu and disk offload give exactly the resident tokens; offload folders; bad maps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import write_tiny_checkpoint
+
+import tierlm
+
+IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
+SEED_MAP = {
+    "model.embed_tokens": 0,
+    "model.layers.0": 0,
+    "model.layers.1": "cpu",
+    "model.norm": "cpu",
+    "lm_head": 0,
+}
+HALF_ON_DISK = {"": "cpu", "model.layers.1": "disk", "model.norm": "disk"}
+ALL_BUT_EMBED_ON_DISK = {"": "disk", "model.embed_tokens": "cpu"}
+
+
+def tokens(model, cache="static", ids=IDS, n=24):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, cache_implementation=cache).token_ids
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_checkpoints):
+    return {
+        fam: tokens(tierlm.load(tiny_checkpoints[fam], dtype="float32")) for fam in ("llama", "llama_tied")
+    }
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+@pytest.mark.parametrize(
+    "device_map, kwargs",
+    [
+        (HALF_ON_DISK, {}),
+        (ALL_BUT_EMBED_ON_DISK, {}),
+        (SEED_MAP, {"execution_device": "cpu"}),  # the cpu-offload path a GPU would use, run on the CPU
+    ],
+    ids=["half-disk", "all-but-embed-disk", "cpu-offload-forced"],
+)
+def test_offload_matches_resident(tiny_checkpoints, resident, family, cache, device_map, kwargs, tmp_path):
+    model = tierlm.load(
+        tiny_checkpoints[family], dtype="float32", device_map=device_map, offload_folder=tmp_path, **kwargs
+    )
+    assert model.streamer is not None and model.streamer.units
+    assert tokens(model, cache) == resident[family]
+    assert (
+        model.streamer.fetches > 0 and model.streamer.prefetched > 0
+    )  # weights really streamed, ahead of use
+
+
+def test_auto_map_with_small_budget_goes_to_disk(tmp_path):
+    # Wide layers (1.6 MB each) so that a budget can hold the KV reserve, one streamed layer and a little more.
+    path = write_tiny_checkpoint(
+        tmp_path / "wide", "llama", {"intermediate_size": 2048, "num_hidden_layers": 4}
+    )
+    expected = tokens(tierlm.load(path, dtype="float32"))
+    model = tierlm.load(path, dtype="float32", device_map="auto", max_memory={"cpu": "4.5MB"})
+    assert model.device_map["model.embed_tokens"] == "cpu" and model.device_map["model.layers.3"] == "disk"
+    assert model.placement.drop_disk_pages
+    for cache in ("static", "dynamic"):
+        assert tokens(model, cache) == expected
+
+
+def test_resolved_map_has_hf_shape(tiny_checkpoints):
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=HALF_ON_DISK)
+    assert model.device_map == {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "disk",
+        "lm_head": "cpu",
+    }
+
+
+def test_disk_offload_reads_checkpoint_files_when_dtype_matches(tiny_checkpoints, tmp_path):
+    folder = tmp_path / "offload"
+    tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=HALF_ON_DISK, offload_folder=folder)
+    assert not folder.exists()  # fp32 checkpoint, fp32 model: memory-mapped straight from model.safetensors
+
+
+def test_offload_folder_is_reused_and_rebuilt_on_dtype_change(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    kw = dict(device_map=HALF_ON_DISK, offload_folder=tmp_path)
+    first = tierlm.load(path, dtype="bfloat16", **kw)
+    (written,) = list(tmp_path.iterdir())
+    weights = written / "weights.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    bf16_tokens = tokens(first)
+    second = tierlm.load(path, dtype="bfloat16", **kw)
+    assert weights.stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert tokens(second) == bf16_tokens == tokens(tierlm.load(path, dtype="bfloat16"))
+    tierlm.load(path, dtype="float16", **kw)
+    assert json.loads((written / "manifest.json").read_text())["dtype"] == "torch.float16"
+    assert weights.stat().st_mtime_ns != stamp  # rebuilt for the new dtype
+
+
+def test_interrupted_offload_write_is_never_trusted(tiny_checkpoints, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        import tierlm.weights.gguf_cache as gc
+        real = gc.write_safetensors
+        def dying(path, shapes, dtype, tensors):
+            def some():
+                for i, item in enumerate(tensors):
+                    if i == 3:
+                        os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write
+                    yield item
+            real(path, shapes, dtype, some())
+        gc.write_safetensors = dying
+        import tierlm
+        tierlm.load({str(tiny_checkpoints["llama"])!r}, dtype="bfloat16",
+                    device_map={HALF_ON_DISK!r}, offload_folder={str(tmp_path)!r})
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -9
+    leftovers = list(tmp_path.iterdir())
+    assert leftovers and all(p.name.startswith(".") and ".tmp-" in p.name for p in leftovers)
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="bfloat16", device_map=HALF_ON_DISK, offload_folder=tmp_path
+    )
+    assert tokens(model) == tokens(tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16"))
+
+
+@pytest.mark.parametrize(
+    "device_map, message",
+    [
+        ({"": "cpu", "model.layer.1": "disk"}, "model.layers.1"),  # nearest valid names listed
+        ({"model.embed_tokens": "cpu", "model.layers.0": "cpu"}, "model.layers.1"),  # uncovered, named
+        ({"": "gpu"}, "gpu"),
+        ({"": "cpu", "lm_head": "disk"}, None),  # untied lm_head on disk is fine (control case)
+    ],
+)
+def test_bad_maps_are_clear_errors(tiny_checkpoints, device_map, message, tmp_path):
+    if message is None:
+        tierlm.load(
+            tiny_checkpoints["llama"], dtype="float32", device_map=device_map, offload_folder=tmp_path
+        )
+        return
+    with pytest.raises(ValueError, match=message) as err:
+        tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=device_map)
+    assert "\n" not in str(err.value)
+
+
+def test_tied_weights_must_share_a_device(tiny_checkpoints):
+    with pytest.raises(ValueError, match="tied"):
+        tierlm.load(tiny_checkpoints["llama_tied"], device_map={"": "cpu", "lm_head": "disk"})
+
+
+def test_unwritable_offload_folder(tiny_checkpoints, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="not writable"):
+        tierlm.load(
+            tiny_checkpoints["llama"], dtype="bfloat16", device_map=HALF_ON_DISK, offload_folder=blocker / "x"
+        )
+
+
+def test_max_memory_too_small_for_the_streamed_layer(tiny_checkpoints):
+    with pytest.raises(ValueError, match="too small"):
+        tierlm.load(tiny_checkpoints["llama"], device_map="auto", max_memory={"cpu": "10KB"})
+
+
+@pytest.fixture(scope="module")
+def default_resident():
+    model = tierlm.load(dtype="float32")
+    prompt = torch.tensor([model.tokenizer.encode("The three primary colors are")])
+    return prompt, tokens(model, ids=prompt, n=16)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(
+            device_map={
+                "": "cpu",
+                **{f"model.layers.{i}": "disk" for i in range(15, 30)},
+                "model.norm": "disk",
+            }
+        ),
+        dict(device_map={"": "disk", "model.embed_tokens": "cpu"}),
+        dict(
+            device_map={"": 0, **{f"model.layers.{i}": "cpu" for i in range(10, 30)}}, execution_device="cpu"
+        ),
+        dict(device_map="auto", max_memory={"cpu": "350MB"}),
+    ],
+    ids=["half-disk", "all-but-embed-disk", "cpu-offload-forced", "auto-350MB"],
+)
+def test_default_model_offload_matches_resident(default_resident, kwargs):
+    prompt, expected = default_resident
+    model = tierlm.load(dtype="float32", **kwargs)
+    assert model.streamer is not None
+    assert tokens(model, ids=prompt, n=16) == expected
+    assert tokens(model, "dynamic", ids=prompt, n=16) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cpu_disk_map_matches_all_gpu(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    ref = tokens(tierlm.load(path, dtype="float32", device="cuda"))
+    seed_disk = {**SEED_MAP, "model.norm": "disk"}
+    model = tierlm.load(path, dtype="float32", device_map=seed_disk, offload_folder=tmp_path)
+    assert model.device.type == "cuda"
+    assert tokens(model) == ref
