@@ -286,5 +286,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m tierlm.cli
     sys.exit(main())

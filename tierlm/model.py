@@ -15,7 +15,7 @@ from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder
 from tierlm.placement.offload import Streamer, Unit
-from tierlm.placement.placer import Placement, disk_sources, resolve
+from tierlm.placement.placer import Placement, disk_sources, kv_bytes_per_token, parameter_table, resolve
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -175,7 +175,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     checkpoint, target, tokenizer = _open(path, dtype, device)
-    names, sizes, tied = _parameter_table(checkpoint.config, target)
+    names, sizes, tied = parameter_table(checkpoint.config, target)
     placement = resolve(
         names,
         sizes,
@@ -183,7 +183,7 @@ def load(
         max_memory,
         str(device),
         tied,
-        _kv_bytes_per_token(checkpoint.config, target),
+        kv_bytes_per_token(checkpoint.config, target),
         execution_device,
     )
     devices = {n: _param_device(placement, n) for n in names}
@@ -212,22 +212,6 @@ def _open(path: Path, dtype, device: torch.device):
     checkpoint = open_checkpoint(path)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     return checkpoint, resolve_dtype(dtype, checkpoint, device), tokenizer
-
-
-def _parameter_table(cfg: ModelConfig, dtype: torch.dtype):
-    """All parameter names (tied ones too), their sizes in `dtype`, and the tied pairs."""
-    with torch.device("meta"):
-        probe = Decoder(cfg)
-    params = dict(probe.named_parameters(remove_duplicate=False))
-    sizes = {n: p.numel() * dtype.itemsize for n, p in params.items()}
-    tied = [("model.embed_tokens.weight", "lm_head.weight")] if cfg.tie_word_embeddings else []
-    for _, follower in tied:
-        sizes[follower] = 0
-    return list(params), sizes, tied
-
-
-def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def _param_device(placement: Placement, name: str):

@@ -390,14 +390,14 @@ def _fill(units: dict[str, int], devices: list[str], caps: dict[str, int]) -> di
 
 
 def _too_small(device: str, budget: int, streamed: str, size: int, reserve: int) -> str:
-    cache = f" plus the KV cache ({_format_bytes(reserve)})" if reserve else ""
+    cache = f" plus the KV cache ({format_bytes(reserve)})" if reserve else ""
     return (
-        f"max_memory[{device!r}] = {_format_bytes(budget)} is too small: the streamed layer {streamed} "
-        f"({_format_bytes(size)}){cache} must fit there."
+        f"max_memory[{device!r}] = {format_bytes(budget)} is too small: the streamed layer {streamed} "
+        f"({format_bytes(size)}){cache} must fit there."
     )
 
 
-def _format_bytes(size: int) -> str:
+def format_bytes(size: int) -> str:
     for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if size >= scale:
             return f"{size / scale:.1f} {unit}"

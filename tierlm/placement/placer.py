@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tierlm.config import ModelConfig
+from tierlm.models.decoder import Decoder
 from tierlm.placement.device_map import (
     STRATEGIES,
     execution_device,
@@ -108,6 +110,22 @@ def resolve(
         offloaded=offloaded_modules(modules),
         drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
     )
+
+
+def parameter_table(cfg: ModelConfig, dtype: torch.dtype):
+    """All parameter names (tied ones too), their sizes in `dtype`, and the tied pairs."""
+    with torch.device("meta"):
+        probe = Decoder(cfg)
+    params = dict(probe.named_parameters(remove_duplicate=False))
+    sizes = {n: p.numel() * dtype.itemsize for n, p in params.items()}
+    tied = [("model.embed_tokens.weight", "lm_head.weight")] if cfg.tie_word_embeddings else []
+    for _, follower in tied:
+        sizes[follower] = 0
+    return list(params), sizes, tied
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def disk_sources(

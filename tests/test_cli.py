@@ -1,0 +1,110 @@
+"""The real `tierlm` command in a subprocess: generate, --json, plan, chat, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TIERLM = [sys.executable, "-m", "tierlm.cli"]
+
+
+def tierlm(*args, stdin: str | None = None, timeout: int = 300):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [*TIERLM, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_generate_default_model_streams_text():
+    proc = tierlm("generate", "--chat", "--max-new-tokens", "16", "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "loading" in proc.stderr  # a status line while the model loads
+
+
+def test_generate_json_output_parses():
+    proc = tierlm("generate", "--json", "--max-new-tokens", "8", "--min-new-tokens", "8", "Once upon a time")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["token_ids"]) == 8 and out["text"] and out["finish_reason"] == "length"
+    assert out["stats"]["new_tokens"] == 8 and out["stats"]["cache"] == "static"
+
+
+def test_generate_reads_prompt_from_stdin():
+    proc = tierlm("generate", "--json", "--max-new-tokens", "4", stdin="The sky is")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == 3
+
+
+def test_generate_explain_prints_the_compile_decision():
+    proc = tierlm(
+        "generate",
+        "--explain",
+        "--compile",
+        "--max-new-tokens",
+        "2",
+        "--device-map",
+        '{"": "cpu", "model.layers.29": "disk"}',
+        "Hello",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "compile: no (model.layers.29 is offloaded to disk)" in proc.stderr
+
+
+def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
+    proc = tierlm("generate", "--model", str(tiny_checkpoints["llama"]), "Hello")
+    assert proc.returncode != 0
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "tierlm: error: text prompts need a tokenizer; this model has none (pass token ids)"
+    )
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["generate", "--bogus-flag", "hi"], "unrecognized arguments: --bogus-flag"),
+        (["generate", "--model", "/no/such/model.gguf", "hi"], "does not exist"),
+        (["generate", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
+        (["generate", "--temperature", "-1", "hi"], "temperature"),
+        (["generate", "--device-map", "{not json", "hi"], "not valid JSON"),
+        (["plan", "--device-map", '{"model.layerz.0": "disk"}'], "model.layers"),
+    ],
+)
+def test_errors_are_one_line_with_nonzero_exit(args, needle):
+    proc = tierlm(*args)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("tierlm: error")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plan_shows_tiers_streaming_and_decision():
+    proc = tierlm("plan", "--device-map", "auto", "--max-memory", "cpu=350MB", "--compile")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "model.layers.0-" in out and "disk" in out
+    assert "streamed per token:" in out and "from disk" in out
+    assert "compile: no (" in out and "offloaded to disk" in out
+
+
+def test_chat_keeps_history_and_exits_on_eof():
+    import tierlm as lib
+
+    turns = ["Hi, my name is Ada.", "What is my name?"]
+    proc = tierlm("chat", "--max-new-tokens", "12", stdin="\n".join(turns) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    replies = [r.rstrip("\n") for r in proc.stdout.split("> ")[1:3]]
+    model = lib.load()
+    history = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": replies[0]},
+        {"role": "user", "content": turns[1]},
+    ]
+    prompt = model.tokenizer.apply_chat_template(history)
+    assert replies[1] == model.generate(prompt, max_new_tokens=12).texts[0]  # the second turn saw the first
+    assert proc.stdout.endswith("> \n")  # EOF at the third prompt ends the session cleanly

@@ -1,0 +1,136 @@
+"""End to end: the decode step compiles when the model is resident, never under offload, and never twice."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import tierlm
+import tierlm.compile
+from tierlm import CompileConfig, CompileSkippedWarning
+
+IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
+LONGER = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
+
+
+def run(model, ids=IDS, n=20, **kw):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_checkpoints):
+    """A resident tiny model whose decode step is compiled once for the whole module."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    eager = run(model)
+    result = run(model, compile_config=CompileConfig())
+    return model, eager, result
+
+
+def test_resident_static_cache_compiles_and_matches_eager(compiled):
+    model, eager, result = compiled
+    assert result.stats.compile.compile and result.stats.compile.reasons == ()
+    assert counters["stats"]["unique_graphs"] == 1  # one compiled frame: the decode step
+    assert result.token_ids == eager.token_ids
+
+
+def test_no_recompilation_across_prompts_and_lengths(compiled):
+    model, _, _ = compiled
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        a = run(model, LONGER, n=31, compile_config=CompileConfig())
+        b = run(model, IDS[:, :3], n=5, compile_config=CompileConfig())
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert a.token_ids == run(model, LONGER, n=31).token_ids
+    assert b.token_ids == run(model, IDS[:, :3], n=5).token_ids
+
+
+def test_decode_step_is_one_graph_without_breaks(tiny_checkpoints):
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    ones = torch.ones(1, 1, dtype=torch.bool)
+    with torch.inference_mode():
+        cache = model.static_cache(1, 256)
+        model.decoder.ensure_rope(256, model.device)
+
+        def decode_step(tokens, positions, slots):
+            return model.decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)
+
+        explained = torch._dynamo.explain(decode_step)(
+            torch.tensor([[5]]), torch.tensor([[7]]), torch.tensor([7])
+        )
+    assert explained.graph_count == 1
+    assert explained.graph_break_count == 0
+
+
+def test_disk_offload_skips_compile_and_warns_once(tiny_checkpoints):
+    tierlm.compile._warned.clear()
+    resident = run(tierlm.load(tiny_checkpoints["llama"], dtype="float32"))
+    model = tierlm.load(
+        tiny_checkpoints["llama"],
+        dtype="float32",
+        device_map={"": "cpu", "model.layers.1": "disk", "model.norm": "disk"},
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        results = [run(model, compile_config=CompileConfig()) for _ in range(3)]
+    skipped = [w for w in seen if issubclass(w.category, CompileSkippedWarning)]
+    assert len(skipped) == 1
+    assert "model.layers.1, model.norm are offloaded to disk" in str(skipped[0].message)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing was compiled
+    for r in results:
+        assert not r.stats.compile.compile
+        assert r.token_ids == resident.token_ids
+
+
+def test_forced_cpu_offload_skips_compile(tiny_checkpoints):
+    tierlm.compile._warned.clear()
+    seed = {
+        "model.embed_tokens": 0,
+        "model.layers.0": 0,
+        "model.layers.1": "cpu",
+        "model.norm": "cpu",
+        "lm_head": 0,
+    }
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=seed, execution_device="cpu")
+    with pytest.warns(CompileSkippedWarning, match="model.layers.1, model.norm are offloaded to cpu"):
+        r = run(model, compile_config=CompileConfig())
+    assert not r.stats.compile.compile
+    assert r.token_ids == run(tierlm.load(tiny_checkpoints["llama"], dtype="float32")).token_ids
+
+
+def test_dynamic_cache_and_disable_compile_run_eagerly(tiny_checkpoints):
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    tierlm.compile._warned.clear()
+    with pytest.warns(CompileSkippedWarning, match="cache 'dynamic' is not compilable"):
+        r = run(model, compile_config=CompileConfig(), cache_implementation="dynamic")
+    assert not r.stats.compile.compile
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileSkippedWarning)
+        off = run(model, disable_compile=True)  # no compile_config: nothing asked, nothing to warn
+    assert off.stats.compile.reasons[0] == "disable_compile=True"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_seed_map_does_not_compile_and_matches_all_gpu(tiny_checkpoints):
+    path = tiny_checkpoints["mistral"]
+    seed = {
+        "model.embed_tokens": 0,
+        "model.layers.0": 0,
+        "model.layers.1": "cpu",
+        "model.norm": "cpu",
+        "lm_head": 0,
+    }
+    all_gpu = tierlm.load(path, dtype="float32", device_map={"": 0})
+    compiled_run = run(all_gpu, cache_implementation="static")
+    assert compiled_run.stats.compile.compile  # CUDA compiles by default (reduce-overhead)
+    offloaded = tierlm.load(path, dtype="float32", device_map=seed)
+    r = run(offloaded, cache_implementation="static")
+    assert not r.stats.compile.compile
+    assert r.token_ids == compiled_run.token_ids == run(all_gpu, disable_compile=True).token_ids
