@@ -18,31 +18,58 @@ class CompileSkippedWarning(UserWarning):
     """Compilation was requested (compile_config) but cannot happen; generation runs eagerly."""
 
 
+SCOPES = ("model",)
+
+
 @dataclass(frozen=True)
 class CompileConfig:
-    """How the decode step is compiled with torch.compile."""
+    """How the decode step is compiled with torch.compile.
+
+    mode None means "reduce-overhead" on CUDA and "default" elsewhere. freezing None means on for CPU
+    (weights become graph constants and are prepacked; only resident models compile, so that is safe).
+    cpp_wrapper trims per-step overhead at the cost of compile time.
+    """
 
     fullgraph: bool = True
     dynamic: bool = False
     backend: str = "inductor"
-    mode: str | None = None  # None: "reduce-overhead" on CUDA, "default" elsewhere
+    mode: str | None = None
     options: dict[str, Any] | None = None
+    freezing: bool | None = None
+    cpp_wrapper: bool = False
+    scope: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"CompileConfig.scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
 
     def __hash__(self) -> int:
+        opts = tuple(sorted((self.options or {}).items()))
         return hash(
-            (
-                self.fullgraph,
-                self.dynamic,
-                self.backend,
-                self.mode,
-                tuple(sorted((self.options or {}).items())),
-            )
+            (self.fullgraph, self.dynamic, self.backend, self.mode, opts, self.freezing, self.cpp_wrapper)
         )
 
     def resolved_mode(self, device: str) -> str:
         if self.mode is not None:
             return self.mode
         return "reduce-overhead" if device.startswith("cuda") else "default"
+
+    def compile_kwargs(self, device: str) -> dict[str, Any]:
+        """Keyword arguments for torch.compile: inductor options carry the mode (both cannot be passed)."""
+        kwargs: dict[str, Any] = {
+            "fullgraph": self.fullgraph,
+            "dynamic": self.dynamic,
+            "backend": self.backend,
+        }
+        if self.backend != "inductor":
+            return kwargs
+        import torch._inductor
+
+        options = dict(torch._inductor.list_mode_options(self.resolved_mode(device)))
+        freezing = self.freezing if self.freezing is not None else not device.startswith("cuda")
+        options.update({"freezing": freezing, "cpp_wrapper": self.cpp_wrapper}, **(self.options or {}))
+        kwargs["options"] = options
+        return kwargs
 
 
 @dataclass(frozen=True)

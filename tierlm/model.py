@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,13 @@ from tierlm.placement.placer import Placement, disk_sources, kv_bytes_per_token,
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
-from tierlm.weights.load import build_decoder, default_model_path, open_checkpoint, resolve_dtype
+from tierlm.weights.load import (
+    build_decoder,
+    default_gguf_dtype,
+    default_model_path,
+    open_checkpoint,
+    resolve_dtype,
+)
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 
 
@@ -127,6 +134,8 @@ class Model:
         key = (cc, cache.batch, cache.max_len, self.dtype)
         compiled = self._compiled.get(key)
         if compiled is None:
+            # A persistent per-user inductor cache, so a second process starts warm.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))
             ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=self.device)
             decoder = self.decoder
 
@@ -135,14 +144,7 @@ class Model:
                     :, -1
                 ].float()
 
-            compiled = torch.compile(
-                decode_step,
-                fullgraph=cc.fullgraph,
-                dynamic=cc.dynamic,
-                backend=cc.backend,
-                mode=cc.resolved_mode(str(self.device)) if cc.backend == "inductor" else None,
-                options=cc.options,
-            )
+            compiled = torch.compile(decode_step, **cc.compile_kwargs(str(self.device)))
             self._compiled[key] = compiled
 
         def step(tokens, positions, slots, length):
@@ -196,7 +198,7 @@ def load(
 def _open(path: Path, dtype, device: torch.device):
     """(checkpoint, target dtype, tokenizer). GGUF weights are dequantized once into a disk cache."""
     if path.is_file() and path.suffix == ".gguf":
-        target = torch.float32 if dtype == "auto" else resolve_dtype(dtype, None, device)
+        target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
         try:
             checkpoint = gguf_cache.ensure(path, target)
         except OSError as e:

@@ -13,7 +13,7 @@ from tierlm.placement.device_map import format_bytes, format_modules
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
-from tierlm.weights.load import default_model_path, open_checkpoint, resolve_dtype
+from tierlm.weights.load import default_gguf_dtype, default_model_path, open_checkpoint, resolve_dtype
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)$")
 
@@ -34,7 +34,7 @@ def plan(
         raise FileNotFoundError(f"model path {path} does not exist")
     dev = torch.device(device)
     if path.is_file() and path.suffix == ".gguf":
-        target = torch.float32 if dtype == "auto" else resolve_dtype(dtype, None, dev)
+        target = default_gguf_dtype(dev) if dtype == "auto" else resolve_dtype(dtype, None, dev)
         checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
     else:
         checkpoint = open_checkpoint(path)

@@ -93,6 +93,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 class Attention(nn.Module):
+    grouped_decode = True  # single-token steps use grouped_attention; False forces SDPA (tests compare both)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -120,7 +122,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots)
-        if s == 1:
+        if s == 1 and self.grouped_decode:
             out = grouped_attention(q, k, v, mask)  # decode: never expand K/V
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

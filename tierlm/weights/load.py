@@ -51,6 +51,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return SafetensorsCheckpoint(path)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX-512 BF16 / AMX on x86, BF16 on Arm)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def default_gguf_dtype(device: torch.device) -> torch.dtype:
+    """GGUF weights have no float dtype of their own: bf16 where it is native (CPU) or on CUDA, else fp32."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint: Checkpoint, device: torch.device) -> torch.dtype:
     """float32 / bfloat16 / float16, or "auto": the checkpoint's own (fp16 becomes fp32 on CPU)."""
     if isinstance(dtype, torch.dtype):

@@ -1,0 +1,45 @@
+"""Decode attention for grouped-query heads (K/V never expanded) gives the same tokens as SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierlm
+from tierlm.models.layers import Attention, grouped_attention
+
+
+def use_sdpa_for_decode(model, on: bool) -> None:
+    for layer in model.decoder.model.layers:
+        layer.self_attn.grouped_decode = not on
+
+
+def test_grouped_attention_matches_sdpa_numerically():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 1, 64, generator=gen)
+    k, v = torch.randn(2, 3, 40, 64, generator=gen), torch.randn(2, 3, 40, 64, generator=gen)
+    mask = torch.rand(2, 1, 1, 40, generator=gen) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_grouped_decode_tokens_equal_sdpa_tiny(tiny_checkpoints, family):
+    model = tierlm.load(tiny_checkpoints[family], dtype="float32")
+    prompts = [[5, 17, 99, 230, 41, 7, 8], [300, 12, 45]]
+    grouped = model.generate(prompts, max_new_tokens=24, min_new_tokens=24).token_ids
+    use_sdpa_for_decode(model, True)
+    assert model.generate(prompts, max_new_tokens=24, min_new_tokens=24).token_ids == grouped
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_decode_tokens_equal_sdpa_default_model(dtype):
+    model = tierlm.load(dtype=dtype)
+    prompt = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers in Europe."}]
+    )
+    grouped = model.generate(prompt, max_new_tokens=32).token_ids
+    use_sdpa_for_decode(model, True)
+    assert model.generate(prompt, max_new_tokens=32).token_ids == grouped
+    assert Attention.grouped_decode  # the class default is untouched
