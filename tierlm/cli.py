@@ -248,18 +248,18 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from tierlm.compile import CompileConfig
+    from tierlm.generation.config import GenerationConfig
     from tierlm.server import run_server
 
     model = load_model(args)
-    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     run_server(
         model,
-        host=args.host,
-        port=args.port,
-        model_name=name,
+        args.host,
+        args.port,
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
-        compile=args.compile,
+        generation_config=GenerationConfig(compile_config=CompileConfig()) if args.compile else None,
     )
     return 0
 

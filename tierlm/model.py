@@ -30,6 +30,9 @@ from tierlm.weights.load import (
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 
 
+MAX_STATIC_CACHES = 4  # static caches (and their compiled steps) kept for reuse across generate calls
+
+
 class Model:
     """A loaded model: `model(input_ids)` gives logits [batch, seq, vocab]; `model.config` its shape."""
 
@@ -108,10 +111,14 @@ class Model:
     def static_cache(self, batch: int, length: int) -> StaticCache:
         """A static cache for (batch, length), reused across calls so compiled steps are reused too."""
         key = (batch, length, self.dtype)
-        cache = self._static_caches.get(key)
+        cache = self._static_caches.pop(key, None)
         if cache is None:
             cache = StaticCache(self.config, batch, length, self.dtype, self.device)
-            self._static_caches[key] = cache
+            while len(self._static_caches) >= MAX_STATIC_CACHES:  # least recently used goes, with its graphs
+                old_key = next(iter(self._static_caches))
+                del self._static_caches[old_key]
+                self._compiled = {k: v for k, v in self._compiled.items() if k[1:3] != old_key[:2]}
+        self._static_caches[key] = cache  # most recently used last
         cache.reset()
         return cache
 
@@ -192,6 +199,7 @@ def load(
     decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
     streamer = _streamer(decoder, checkpoint, placement, target, folder, tied)
+    decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
     return Model(decoder, path, tokenizer, placement, streamer)
 
 

@@ -33,6 +33,15 @@ class Decoder(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
+    def fuse_projections(self, skip: tuple[str, ...] = ()) -> None:
+        """Fuse q/k/v and gate/up of every layer not under a `skip` prefix (offloaded layers stay apart)."""
+        for i, layer in enumerate(self.model.layers):
+            name = f"model.layers.{i}"
+            if any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in skip):
+                continue
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
         device = torch.device(device)

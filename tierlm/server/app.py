@@ -1,0 +1,129 @@
+"""build_app() wires the model, the worker thread and the routes; run_server() serves it with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+from fastapi import FastAPI
+
+from tierlm.generation.config import GenerationConfig
+from tierlm.server.batcher import Scheduler
+from tierlm.server.errors import GuardMiddleware, install_error_handlers
+from tierlm.server.routes import ServerState, router
+
+if TYPE_CHECKING:
+    from tierlm.model import Model
+
+logger = logging.getLogger("tierlm.server")
+
+
+def default_model_name(model: Model) -> str:
+    """The name clients address the model by: its file or folder name without a .gguf suffix."""
+    path = Path(getattr(model, "path", "") or "model")
+    return path.name.removesuffix(".gguf")
+
+
+def build_app(
+    model: Model,
+    *,
+    model_name: str | None = None,
+    max_batch_size: int = 8,
+    api_key: str | None = None,
+    max_queue: int = 64,
+    max_body_bytes: int = 1_000_000,
+    generation_config: GenerationConfig | None = None,
+    default_max_tokens: int = 1024,
+) -> FastAPI:
+    """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
+
+    `generation_config` carries the server-wide settings (cache, compile_config); requests set sampling.
+    `default_max_tokens` caps chat completions that do not say how many tokens they want.
+    """
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError(
+            "the server needs a model with a tokenizer (tokenizer.json or GGUF tokenizer metadata)"
+        )
+    if max_body_bytes < 1 or default_max_tokens < 1:
+        raise ValueError("max_body_bytes and default_max_tokens must be >= 1")
+    scheduler = Scheduler(
+        model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        logger.info("serving %s (max_batch_size=%d, max_queue=%d)", name, max_batch_size, max_queue)
+        yield
+        await asyncio.to_thread(scheduler.stop)
+
+    name = model_name or default_model_name(model)
+    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
+    app.include_router(router)
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown (SIGINT/SIGTERM) first lets in-flight requests finish for a grace
+    period; streams still running after it end with an error chunk saying the server is shutting down."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace_s: float) -> None:
+        super().__init__(config)
+        self.scheduler, self.grace_s = scheduler, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("shutting down: in-flight requests have %.1f s to finish", self.grace_s)
+        self.scheduler.begin_drain(self.grace_s)
+        await super().shutdown(sockets)
+
+
+def make_server(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    shutdown_grace_s: float = 10.0,
+    log_level: str = "info",
+) -> DrainingServer:
+    """A uvicorn server for an app from build_app(); `.run()` blocks, `.should_exit = True` stops it."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_grace_s + 5,  # the grace period, then time to send error chunks
+    )
+    return DrainingServer(config, app.state.tierlm.scheduler, shutdown_grace_s)
+
+
+def run_server(
+    model: Model,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    shutdown_grace_s: float = 10.0,
+    log_level: str = "info",
+    **app_kwargs,
+) -> None:
+    """Serve `model` until SIGINT/SIGTERM; `app_kwargs` go to build_app (model_name, max_batch_size, ...)."""
+    app = build_app(model, **app_kwargs)
+    _log_to_stderr(log_level)
+    make_server(app, host, port, shutdown_grace_s=shutdown_grace_s, log_level=log_level).run()
+
+
+def _log_to_stderr(level: str) -> None:
+    """Show the server's own log lines (batch sizes) next to uvicorn's, unless logging is set up already."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level.upper())

@@ -1,0 +1,176 @@
+"""The endpoints: health and stats, the model list, completions and chat completions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from tierlm.server.batcher import QueueFull, Request, Sampling, Scheduler, ShuttingDown
+from tierlm.server.errors import APIError
+from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
+from tierlm.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+
+if TYPE_CHECKING:
+    from tierlm.model import Model
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share: the model, its scheduler and the name clients address it by."""
+
+    model: Model
+    scheduler: Scheduler
+    model_name: str
+    default_max_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context(self) -> int:
+        return self.model.config.max_position_embeddings
+
+
+router = APIRouter()
+
+
+def _state(http: HTTPRequest) -> ServerState:
+    return http.app.state.tierlm
+
+
+@router.get("/health")
+async def health(http: HTTPRequest) -> JSONResponse:
+    state = _state(http)
+    if state.scheduler.draining:
+        return JSONResponse({"status": "shutting_down", "model": state.model_name}, 503)
+    return JSONResponse({"status": "ok", "model": state.model_name, **state.scheduler.stats()})
+
+
+@router.get("/stats")
+async def stats(http: HTTPRequest) -> dict:
+    return _state(http).scheduler.stats()
+
+
+@router.get("/v1/models")
+async def list_models(http: HTTPRequest) -> dict:
+    return {"object": "list", "data": [_model_card(_state(http))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, http: HTTPRequest) -> dict:
+    state = _state(http)
+    if model_id != state.model_name:
+        raise APIError(
+            404,
+            f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: HTTPRequest):
+    state = _state(http)
+    _check_common(state, body)
+    prompt = body.single_prompt()
+    if isinstance(prompt, list):
+        ids = _token_ids(state, prompt)
+    else:  # off the event loop: a long prompt takes a while to encode
+        ids = await asyncio.to_thread(state.model.tokenizer.encode, prompt)
+    max_tokens = _max_tokens(state, len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+    reply = Reply(
+        chat=False, model=state.model_name, prompt_tokens=len(ids), include_usage=body.include_usage
+    )
+    return await _respond(state, http, body, ids, max_tokens, reply)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+    state = _state(http)
+    _check_common(state, body)
+    ids = await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body)
+    max_tokens = _max_tokens(state, len(ids), body.requested_max_tokens, state.default_max_tokens, "messages")
+    reply = Reply(chat=True, model=state.model_name, prompt_tokens=len(ids), include_usage=body.include_usage)
+    return await _respond(state, http, body, ids, max_tokens, reply)
+
+
+def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as err:
+        raise APIError(400, str(err), "messages") from err
+    # the template writes its own special tokens; as transformers does, encode without adding more
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_common(state: ServerState, body: _Common) -> None:
+    if body.model != state.model_name:
+        message = f"model {body.model!r} does not exist; this server serves {state.model_name!r}"
+        raise APIError(400, message, "model", "model_not_found")
+    body.check_supported()
+
+
+def _token_ids(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+    return ids
+
+
+def _max_tokens(
+    state: ServerState, prompt_tokens: int, requested: int | None, default: int, param: str
+) -> int:
+    """The request's max_tokens: what it asked for if prompt and answer fit the context, else an error."""
+    room = state.context - prompt_tokens
+    if prompt_tokens == 0:
+        raise APIError(400, "the prompt is empty: it needs at least one token", param)
+    if room <= 0:
+        message = (
+            f"the prompt has {prompt_tokens} tokens, but the model's context is {state.context} tokens; "
+            "shorten the prompt"
+        )
+        raise APIError(400, message, param, "context_length_exceeded")
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        message = (
+            f"the model's context is {state.context} tokens, but the prompt has {prompt_tokens} and "
+            f"max_tokens asks for {requested} more ({prompt_tokens + requested} in all); "
+            f"use max_tokens <= {room}"
+        )
+        raise APIError(400, message, "max_tokens", "context_length_exceeded")
+    return requested
+
+
+async def _respond(state: ServerState, http: HTTPRequest, body: _Common, ids, max_tokens: int, reply: Reply):
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    top_p = 1.0 if body.top_p is None else float(body.top_p)
+    request = Request(
+        prompt_ids=list(ids),
+        max_tokens=max_tokens,
+        stops=body.stops(),
+        sampling=Sampling(temperature=temperature, top_p=top_p, seed=body.seed),
+        loop=asyncio.get_running_loop(),
+    )
+    try:
+        state.scheduler.submit(request)
+    except QueueFull as err:
+        raise APIError(503, str(err), code="queue_full") from err
+    except ShuttingDown as err:
+        raise APIError(503, str(err), code="server_shutting_down") from err
+    if body.stream:
+        return EventStreamResponse(event_stream(request, reply), lambda: state.scheduler.cancel(request))
+    return await collect(state.scheduler, request, http, reply)
