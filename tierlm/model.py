@@ -29,7 +29,6 @@ from tierlm.weights.load import (
 )
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 
-
 MAX_STATIC_CACHES = 4  # static caches (and their compiled steps) kept for reuse across generate calls
 
 
