@@ -88,6 +88,21 @@ def test_disk_offload_skips_compile_and_warns_once(tiny_checkpoints):
         assert r.token_ids == resident.token_ids
 
 
+def test_freezing_is_never_used_for_an_offloaded_model(tiny_checkpoints, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **kw: calls.append(kw) or (lambda *x: None))
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="float32", device_map={"": "cpu", "model.layers.0": "disk"}
+    )
+    with pytest.warns(CompileSkippedWarning):
+        run(model, compile_config=CompileConfig(freezing=True, mode="max-autotune-no-cudagraphs"))
+    assert calls == []  # the step was never handed to torch.compile, so nothing was frozen
+    resident = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    with pytest.raises(AttributeError):  # the stand-in gives None logits: this path does call compile
+        run(resident, compile_config=CompileConfig(freezing=True))
+    assert calls and calls[0]["options"]["freezing"] is True
+
+
 def test_forced_cpu_offload_skips_compile(tiny_checkpoints):
     tierlm.compile._warned.clear()
     seed = {

@@ -23,6 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-map", help='JSON map such as {"model.layers.1": "disk", "": "cpu"}, or auto')
     p.add_argument("--max-memory", help="budgets such as cpu=2GiB,0=20GiB (with --device-map auto)")
     p.add_argument("--offload-folder", help="folder for disk-offloaded weights that need conversion")
+    p.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization of the projections")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -119,6 +120,8 @@ def placement_kwargs(args) -> dict:
         kwargs["max_memory"] = parse_max_memory_arg(args.max_memory)
     if getattr(args, "offload_folder", None):
         kwargs["offload_folder"] = args.offload_folder
+    if getattr(args, "quantize", None):
+        kwargs["quantize"] = args.quantize
     return kwargs
 
 

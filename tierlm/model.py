@@ -15,6 +15,7 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder
+from tierlm.placement.device_map import format_modules
 from tierlm.placement.offload import Streamer, Unit
 from tierlm.placement.placer import Placement, disk_sources, kv_bytes_per_token, parameter_table, resolve
 from tierlm.tokenizer import Tokenizer
@@ -169,6 +170,8 @@ def load(
     max_memory: dict | None = None,
     offload_folder: str | Path | None = None,
     execution_device: str | None = None,
+    quantize: str | None = None,
+    group_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Model:
     """Load an HF safetensors folder or a GGUF file (default: the embedded SmolLM2-135M-Instruct).
@@ -177,6 +180,9 @@ def load(
     "auto" / "balanced" / "sequential" computed from max_memory ({0: "20GiB", "cpu": "2GiB"}).
     execution_device: run the map's accelerator entries on this device instead (e.g. "cpu", to
     exercise cpu offload without an accelerator).
+    quantize: "int8" (per channel) or "int4" (groups of `group_size`; default 32 when the GGUF source is
+    Q4_0/Q4_1, whose blocks then carry over exactly, else 64) weight-only quantization of every
+    projection and the LM head.
     """
     path = Path(path) if path is not None else default_model_path()
     device = torch.device(device)
@@ -198,6 +204,8 @@ def load(
     decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
     streamer = _streamer(decoder, checkpoint, placement, target, folder, tied)
+    if quantize is not None:
+        _quantize(decoder, placement, quantize, group_size or _int4_group(path))
     decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
     return Model(decoder, path, tokenizer, placement, streamer)
 
@@ -221,6 +229,26 @@ def _open(path: Path, dtype, device: torch.device):
     checkpoint = open_checkpoint(path)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     return checkpoint, resolve_dtype(dtype, checkpoint, device), tokenizer
+
+
+def _int4_group(path: Path) -> int:
+    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
+    if path.suffix != ".gguf":
+        return 64
+    types = [t for n, t in gguf_cache.source_tensor_types(path).items() if n.endswith("proj.weight")]
+    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
+
+
+def _quantize(decoder: Decoder, placement: Placement, mode: str, group_size: int) -> None:
+    from tierlm.quant import quantize_decoder
+
+    if not placement.resident:
+        offloaded = placement.offloaded["cpu"] + placement.offloaded["disk"]
+        raise ValueError(
+            f"quantize={mode!r} needs a resident model; {format_modules(offloaded)} would be offloaded "
+            "(streaming packed weights is not supported yet)"
+        )
+    quantize_decoder(decoder, mode, group_size)
 
 
 def _param_device(placement: Placement, name: str):

@@ -74,6 +74,8 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
                 progress(i + 1, len(names))
 
     _atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
+    types = {n: gguf.tensors[n].tensor_type.name for n in names}
+    _atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps({"tensor_types": types})))
     _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
     return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
@@ -118,6 +120,14 @@ def _atomic_write(target: Path, write) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def source_tensor_types(gguf_path: Path) -> dict[str, str]:
+    """The GGUF quantization type of each tensor (e.g. "Q4_1"), as recorded when the cache was filled."""
+    try:
+        return json.loads((cache_dir(gguf_path) / "source.json").read_text())["tensor_types"]
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def open_cached_tokenizer(gguf_path: Path):

@@ -1,0 +1,55 @@
+"""Perplexity of the default model on a fixed English text: bf16 and int8 within 1% of fp32, int4 within 10%."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tierlm
+from tierlm.evaluate import next_token_logits, perplexity, top1_agreement
+
+TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tierlm.load(dtype="float32")
+    ids = model.tokenizer.encode(TEXT)
+    assert len(ids) >= 512
+    return ids, perplexity(model, ids), next_token_logits(model, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kwargs, bound",
+    [
+        (dict(dtype="bfloat16"), 0.01),
+        (dict(dtype="bfloat16", quantize="int8"), 0.01),
+        (dict(dtype="bfloat16", quantize="int4"), 0.10),
+    ],
+    ids=["bf16", "int8", "int4"],
+)
+def test_perplexity_within_bounds_of_fp32(reference, kwargs, bound):
+    ids, ppl32, logits32 = reference
+    model = tierlm.load(**kwargs)
+    ppl = perplexity(model, ids)
+    agreement = top1_agreement(logits32, next_token_logits(model, ids))
+    print(
+        f"{kwargs}: perplexity {ppl:.3f} vs fp32 {ppl32:.3f} ({ppl / ppl32 - 1:+.2%}), top-1 agreement {agreement:.1%}"
+    )
+    assert abs(ppl / ppl32 - 1) <= bound
+    assert agreement > 0.75
+
+
+def test_quantized_model_generates_and_compiles_nothing_unexpected():
+    model = tierlm.load(dtype="bfloat16", quantize="int8")
+    assert type(model.decoder.lm_head).__name__ == "Int8Linear"
+    assert type(model.decoder.model.layers[0].self_attn.q_proj).__name__ == "Int8Linear"
+    r = model.generate("The capital of France is", max_new_tokens=8)
+    assert "Paris" in r.texts[0]
+
+
+def test_quantize_with_offload_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs a resident model; model.layers.29 would be offloaded"):
+        tierlm.load(dtype="bfloat16", quantize="int4", device_map={"": "cpu", "model.layers.29": "disk"})

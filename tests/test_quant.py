@@ -1,0 +1,248 @@
+"""Weight-only int8 / int4 linears: kernel use, quantization error, decoder replacement, compilability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import write_tiny_checkpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tierlm
+from tierlm.quant import (
+    PROJECTIONS,
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    quantize_decoder,
+    quantize_int4,
+)
+
+# Rounding error of a uniform quantizer is step/sqrt(12). int8 per row: step = max|w|/127, and the max of
+# 512 standard normals is ~3.1, so ~0.7% of the weight norm. uint4 per group: step = (max - min)/15 with
+# max - min ~3.9 / 4.8 / 5.5 for groups of 32 / 64 / 128 normals, so ~7.5% / 9.2% / 10.6%. The output
+# error of x @ W.T with random x is the same fraction; the bounds below leave ~15% headroom.
+INT8_REL_ERROR = 0.01
+INT4_REL_ERROR = {32: 0.09, 64: 0.105, 128: 0.12}
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def random_linear(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.normal_()
+        if bias:
+            linear.bias.normal_()
+    return linear
+
+
+def random_input(in_features: int, dtype: torch.dtype, rows: int = 5) -> torch.Tensor:
+    return torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def assert_matches_reference(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 kernels match to accumulation order; bf16 ones to the rounding of their bf16 output."""
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    else:
+        assert rel_error(y, ref) < 2**-8  # bf16 keeps 8 significant bits: rounding costs ~0.2%
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_matches_dequantized_reference(dtype):
+    linear = random_linear(512, 256, bias=True)
+    q = Int8Linear.from_linear(linear, dtype)
+    x = random_input(512, dtype).reshape(1, 5, 512)  # leading dims are kept
+    y = q(x)
+    assert y.shape == (1, 5, 256) and y.dtype == dtype
+    ref = x.float() @ q.dequantize().T + q.bias.float()
+    assert_matches_reference(y, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_linear_matches_dequantized_reference(dtype, group_size):
+    linear = random_linear(512, 256, bias=True)
+    q = Int4Linear.from_linear(linear, group_size, dtype)
+    codes, scales_and_zeros = quantize_int4(linear.weight, group_size, dtype)
+    assert scales_and_zeros.shape == (512 // group_size, 256, 2)
+    reference_weight = dequantize_int4(codes, scales_and_zeros, group_size)  # plain torch, no kernel
+    torch.testing.assert_close(q.dequantize(), reference_weight, rtol=1e-6, atol=1e-6)
+    x = random_input(512, dtype)
+    assert_matches_reference(q(x), x.float() @ reference_weight.T + q.bias.float())
+
+
+def test_bf16_activations_go_through_the_aten_kernels():
+    linear = random_linear(128, 64)
+    x = random_input(128, torch.bfloat16)
+    for module, op in [
+        (Int8Linear.from_linear(linear), "_weight_int8pack_mm.default"),
+        (Int4Linear.from_linear(linear), "_weight_int4pack_mm_for_cpu.default"),
+    ]:
+        with OpRecorder() as rec:
+            module(x)
+        assert op in rec.ops, rec.ops
+
+
+def test_int8_error_against_float_linear_is_small():
+    linear = random_linear(512, 256)
+    x = random_input(512, torch.bfloat16)
+    err = rel_error(Int8Linear.from_linear(linear)(x), F.linear(x.float(), linear.weight))
+    assert err < INT8_REL_ERROR
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_against_float_linear_is_bounded(group_size):
+    linear = random_linear(512, 256)
+    x = random_input(512, torch.bfloat16)
+    err = rel_error(Int4Linear.from_linear(linear, group_size)(x), F.linear(x.float(), linear.weight))
+    assert err < INT4_REL_ERROR[group_size]
+
+
+def test_mismatched_input_dtype_falls_back_exactly():
+    linear = random_linear(128, 64)
+    x = random_input(128, torch.float32)
+    for module in (Int8Linear.from_linear(linear), Int4Linear.from_linear(linear)):  # bf16 scales
+        y = module(x)
+        assert y.dtype == torch.float32
+        assert rel_error(y, x @ module.dequantize().T) < 2**-7  # int4 rounds x to bf16 first
+
+
+def test_int4_rejects_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match=r"\[out=64, in=96\].*multiple of 64"):
+        Int4Linear.from_linear(random_linear(96, 64), group_size=64)
+    with pytest.raises(ValueError, match=r"\[out=40, in=128\].*multiple of 16"):
+        Int4Linear.from_linear(random_linear(128, 40), group_size=64)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        Int4Linear.from_linear(random_linear(128, 64), group_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny checkpoints at Hugging Face's default weight scale (std 0.02).
+
+    The shared fixtures use std 0.3 for decisive greedy tokens, which makes a 2-layer random network
+    chaotic: there even exact float math on the int4-rounded weights moves logits to cosine ~0.7.
+    """
+    root = tmp_path_factory.mktemp("quant")
+    override = {"initializer_range": 0.02}
+    return {fam: write_tiny_checkpoint(root / fam, fam, override) for fam in ("llama", "llama_tied", "qwen2")}
+
+
+def expected_names(decoder) -> list[str]:
+    layers = range(decoder.config.num_layers)
+    return [f"model.layers.{i}.{p}" for i in layers for p in PROJECTIONS] + ["lm_head"]
+
+
+@pytest.mark.parametrize("mode, cls", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_quantize_decoder_replaces_every_projection_and_lm_head(tiny, mode, cls):
+    decoder = tierlm.load(tiny["qwen2"], dtype="bfloat16").decoder
+    names = quantize_decoder(decoder, mode)
+    assert sorted(names) == sorted(expected_names(decoder))
+    assert all(isinstance(decoder.get_submodule(n), cls) for n in names)
+    assert not any(isinstance(m, nn.Linear) for m in decoder.modules())
+    weight, scales = ("weight_int8", "scales") if mode == "int8" else ("weight_int4", "scales_and_zeros")
+    state = decoder.state_dict()
+    assert f"model.layers.1.self_attn.q_proj.{weight}" in state
+    assert "model.layers.1.self_attn.q_proj.bias" in state  # Qwen2 keeps its q/k/v biases
+    assert state[f"lm_head.{scales}"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_modules_are_the_ones_that_run(tiny, mode):
+    model = tierlm.load(tiny["llama"], dtype="bfloat16")  # the loader fuses q/k/v and gate/up
+    names = quantize_decoder(model.decoder, mode)
+    ran = set()
+    for name in names:
+        model.decoder.get_submodule(name).register_forward_hook(lambda *_, name=name: ran.add(name))
+    model(torch.tensor([[5, 6, 7]]))
+    assert ran == set(names)
+
+
+def test_tied_embedding_stays_exact(tiny):
+    decoder = tierlm.load(tiny["llama_tied"], dtype="bfloat16").decoder
+    embedding = decoder.model.embed_tokens.weight
+    assert decoder.lm_head.weight is embedding
+    before = embedding.detach().clone()
+    assert "lm_head" in quantize_decoder(decoder, "int4")
+    assert decoder.model.embed_tokens.weight is embedding
+    assert torch.equal(embedding, before)
+    assert isinstance(decoder.lm_head, Int4Linear)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("mode, min_cosine", [("int8", 0.99), ("int4", 0.95)])
+def test_quantized_logits_stay_close_to_bf16(tiny, family, mode, min_cosine):
+    model = tierlm.load(tiny[family], dtype="bfloat16")
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    reference = model(ids).float()
+    quantize_decoder(model.decoder, mode)
+    logits = model(ids).float()
+    cosine = F.cosine_similarity(logits, reference, dim=-1)  # per position
+    assert cosine.min().item() > min_cosine, cosine
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_decoder_equals_float_decoder_with_dequantized_weights(tiny, mode):
+    quantized = tierlm.load(tiny["qwen2"], dtype="bfloat16")
+    names = quantize_decoder(quantized.decoder, mode)
+    reference = tierlm.load(tiny["qwen2"], dtype="float32")
+    with torch.no_grad():
+        for name in names:
+            reference.decoder.get_submodule(name).weight.copy_(
+                quantized.decoder.get_submodule(name).dequantize()
+            )
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    cosine = F.cosine_similarity(quantized(ids).float(), reference(ids), dim=-1)
+    assert cosine.min().item() > 0.9999, cosine  # only bf16 activation rounding differs
+
+
+def test_int4_leaves_layers_it_cannot_take_in_float(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "llama", "llama", {"intermediate_size": 96})
+    model = tierlm.load(path, dtype="bfloat16")
+    with pytest.warns(
+        UserWarning, match=r"left 2 layers unquantized: 2 layers like model.layers.0.mlp.down_proj"
+    ):
+        names = quantize_decoder(model.decoder, "int4")
+    assert sorted(names) == sorted(n for n in expected_names(model.decoder) if not n.endswith("down_proj"))
+    assert type(model.decoder.model.layers[1].mlp.down_proj) is nn.Linear
+    assert torch.isfinite(model(torch.tensor([[5, 6, 7]]))).all()
+
+
+def test_offloaded_layers_are_refused_before_anything_changes(tiny):
+    decoder = tierlm.load(tiny["llama"], dtype="bfloat16").decoder
+    decoder.model.layers[1].mlp.down_proj.to("meta")  # as a disk-offloaded layer is held
+    with pytest.raises(ValueError, match="offloaded.*model.layers.1.mlp.down_proj"):
+        quantize_decoder(decoder, "int8")
+    assert not any(isinstance(m, (Int8Linear, Int4Linear)) for m in decoder.modules())
+
+
+def test_quantize_decoder_rejects_unknown_mode(tiny):
+    decoder = tierlm.load(tiny["llama"], dtype="bfloat16").decoder
+    with pytest.raises(ValueError, match="one of .*got 'fp8'"):
+        quantize_decoder(decoder, "fp8")
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_linear, Int4Linear.from_linear])
+def test_quantized_linears_trace_as_one_graph(make):
+    module = make(random_linear(128, 64, bias=True))
+    x = random_input(128, torch.bfloat16).reshape(1, 5, 128)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(module)(x)
+    assert explanation.graph_count == 1
+    assert explanation.graph_break_count == 0

@@ -1,0 +1,228 @@
+"""Weight-only int8 (per output channel) and int4 (group-wise) quantization of the decoder's linears.
+
+Quantized modules replace `nn.Linear` at the same Hugging Face names, so device maps still address them.
+Int4 codes q in 0..15 dequantize as w = (q - 8) * scale + zero (the tinygemm convention of the aten
+int4 kernels, checked against a plain-torch reference in tests/test_quant.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the aten int4 kernels accept
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CUDA_INNER_K_TILES = 8  # tinygemm on CUDA: K must be a multiple of 16 * inner_k_tiles
+aten = torch.ops.aten
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (codes int8 [N, K], scales [N] in `dtype`), w ~ codes * scales[:, None]."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    # Round against the stored (rounded) scales so dequantization is exactly codes * scales.
+    codes = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise uint4: (codes int32 [N, K] in 0..15, scales_and_zeros [K/g, N, 2] in `dtype`)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    zeros = (lo + 8 * scales.float()).to(dtype)  # the value of code 8, the middle of the range
+    q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+    codes = q.clamp(0, 15).to(torch.int32).reshape(n, k)
+    return codes, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 weight [N, K] that int4 codes and scales_and_zeros stand for: (q - 8) * scale + zero."""
+    n, k = codes.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, K/g, 2]
+    q = codes.float().reshape(n, k // group_size, group_size) - 8
+    return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int, device: torch.device) -> None:
+    """Raise ValueError if the int4 kernel cannot take a [out_features, in_features] weight."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    k_multiple = group_size if device.type == "cpu" else max(group_size, 16 * _CUDA_INNER_K_TILES)
+    n_multiple = 16 if device.type == "cpu" else 8
+    if in_features % k_multiple or out_features % n_multiple:
+        raise ValueError(
+            f"int4 cannot quantize a linear of shape [out={out_features}, in={in_features}] on "
+            f"{device.type}: in_features must be a multiple of {k_multiple} (group size {group_size}) "
+            f"and out_features a multiple of {n_multiple}"
+        )
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (weight_int8 * scales[:, None]).T + bias, through aten._weight_int8pack_mm on CPU."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        codes, scales = quantize_int8(linear.weight, dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
+        return cls(codes, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if x.device.type == "cpu" and x.dtype == self.scales.dtype and x.dtype in KERNEL_DTYPES:
+            y = aten._weight_int8pack_mm(x2d.contiguous(), self.weight_int8, self.scales)
+        else:
+            # Other dtypes, and CUDA (whose aten kernel is a naive fp32 loop): the scales factor out of
+            # the matmul, so this is exact; under torch.compile the int8 -> float cast fuses.
+            y = F.linear(x2d, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the kernel multiplies by."""
+        return self.weight_int8.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu)."""
+
+    def __init__(
+        self,
+        weight_int4: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("weight_int4", weight_int4)  # kernel-specific packed layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2]: scale, zero
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64, dtype: torch.dtype = torch.bfloat16):
+        """Quantize `linear`; ValueError if its shape does not suit the int4 kernel."""
+        n, k = linear.weight.shape
+        device = linear.weight.device
+        check_int4_shape(n, k, group_size, device)
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"int4 on cuda needs bfloat16 activations, got {dtype}")
+        codes, scales_and_zeros = quantize_int4(linear.weight, group_size, dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
+        return cls(_pack_int4(codes), scales_and_zeros, k, n, group_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.scales_and_zeros.dtype
+        x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
+        y = _int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the kernel multiplies by (read back through the kernel: the packed
+        layout is kernel-private)."""
+        sz = self.scales_and_zeros
+        dtype = torch.float32 if sz.device.type == "cpu" else sz.dtype
+        eye = torch.eye(self.in_features, dtype=dtype, device=sz.device)
+        return _int4_mm(eye, self.weight_int4, self.group_size, sz.to(dtype)).float().T.contiguous()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}"
+        )
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    if codes.device.type == "cpu":
+        return aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # int32 [N, K] -> uint8 [N, K/2]
+    if codes.device.type == "cuda":  # UNTESTED here (no GPU): uint8 [N, K/2], even column in the high nibble
+        packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+        return aten._convert_weight_to_int4pack(packed, _CUDA_INNER_K_TILES)
+    raise ValueError(f"int4 on {codes.device.type} is not supported by this torch build (cpu and cuda are)")
+
+
+def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    if x2d.device.type == "cpu":
+        return aten._weight_int4pack_mm_for_cpu(x2d, packed, group_size, sz)
+    return aten._weight_int4pack_mm(x2d, packed, group_size, sz)  # cuda, UNTESTED here
+
+
+def quantize_decoder(decoder: nn.Module, mode: str, group_size: int = 64) -> list[str]:
+    """Replace every attention/MLP projection and lm_head with Int8Linear or Int4Linear, in place.
+
+    Returns the names quantized. A tied embedding stays exact: lm_head quantizes its own copy. Int4
+    layers whose shape the kernel cannot take stay in float (with one warning naming them).
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    dtype = getattr(decoder, "compute_dtype", torch.bfloat16)
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"quantized kernels need a compute dtype in {KERNEL_DTYPES}, got {dtype}")
+    targets = [
+        name
+        for name, module in decoder.named_modules()
+        if isinstance(module, nn.Linear) and (name == "lm_head" or name.endswith(PROJECTIONS))
+    ]
+    offloaded = [n for n in targets if decoder.get_submodule(n).weight.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"cannot quantize offloaded layers (weights not resident): {', '.join(offloaded[:3])}"
+        )
+    quantized: list[str] = []
+    skipped: dict[str, list[str]] = {}  # reason (one per shape) -> layer names
+    with torch.no_grad():
+        for name in targets:
+            linear = decoder.get_submodule(name)
+            try:
+                if mode == "int8":
+                    new = Int8Linear.from_linear(linear, dtype)
+                else:
+                    new = Int4Linear.from_linear(linear, group_size, dtype)
+            except ValueError as e:
+                skipped.setdefault(str(e), []).append(name)
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = decoder.get_submodule(parent_name)
+            setattr(parent, child, new)
+            if getattr(parent, "fused", None) is not None:
+                parent.fused = None  # the fused float copy of q/k/v or gate/up would bypass `new`
+            quantized.append(name)
+    if skipped:
+        detail = "; ".join(f"{len(names)} layers like {names[0]}: {why}" for why, names in skipped.items())
+        warnings.warn(f"left {sum(map(len, skipped.values()))} layers unquantized: {detail}", stacklevel=2)
+    return quantized
