@@ -25,7 +25,9 @@ test: setup
 	$(PY) -m pytest -q -rs
 
 bench: setup
-	$(PY) benchmarks/decode.py
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python  # the llama.cpp column
+	$(PY) benchmarks/decode.py --compiled
+	$(PY) benchmarks/quality.py
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
