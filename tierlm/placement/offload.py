@@ -80,7 +80,10 @@ class Streamer:
         else:
             tensors, event = self._load(i)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in tensors.values():
+                t.record_stream(current)  # allocated on the side stream, used (and freed) on this one
         _assign(module, tensors)
         nxt = (i + 1) % len(self.units)
         if nxt not in self.pending:
