@@ -50,6 +50,20 @@ def test_no_recompilation_across_prompts_and_lengths(compiled):
     assert b.token_ids == run(model, IDS[:, :3], n=5).token_ids
 
 
+def test_layer_scope_compiles_one_body_for_all_layers(tiny_checkpoints):
+    model = tierlm.load(tiny_checkpoints["qwen3"], dtype="float32")
+    eager = run(model, n=12)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        layered = run(model, n=12, compile_config=CompileConfig(scope="layer"))
+        again = run(model, LONGER, n=7, compile_config=CompileConfig(scope="layer"))
+    assert layered.stats.compile.compile
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # both layers ran the same compiled body
+    assert layered.token_ids == eager.token_ids
+    assert again.token_ids == run(model, LONGER, n=7).token_ids
+    assert CompileConfig(scope="layer").compile_kwargs("cpu")["options"]["freezing"] is False
+
+
 def test_decode_step_is_one_graph_without_breaks(tiny_checkpoints):
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     ones = torch.ones(1, 1, dtype=torch.bool)

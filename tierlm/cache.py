@@ -36,6 +36,7 @@ class StaticCache:
         self.limit = max_len  # eager decoding may read only the first `limit` slots (a Python int)
         for t in (*self.keys, *self.values, self.valid):
             torch._dynamo.mark_static_address(t)
+        self.views = [StaticLayerView(k, v, max_len) for k, v in zip(self.keys, self.values)]
 
     def reset(self) -> None:
         self.valid.zero_()  # stale K/V stay behind the mask; they are finite, so they are harmless
@@ -49,6 +50,18 @@ class StaticCache:
         self.keys[layer].index_copy_(2, slots, k)
         self.values[layer].index_copy_(2, slots, v)
         return self.keys[layer][:, :, : self.limit], self.values[layer][:, :, : self.limit]
+
+
+class StaticLayerView:
+    """One layer's static K/V, for a compiled layer body shared by all layers (it never reads the index)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int) -> None:
+        self.keys, self.values, self.limit = keys, values, limit
+
+    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        self.keys.index_copy_(2, slots, k)
+        self.values.index_copy_(2, slots, v)
+        return self.keys, self.values
 
 
 class DynamicCache:

@@ -18,7 +18,7 @@ class CompileSkippedWarning(UserWarning):
     """Compilation was requested (compile_config) but cannot happen; generation runs eagerly."""
 
 
-SCOPES = ("model",)
+SCOPES = ("model", "layer")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class CompileConfig:
 
     mode None means "reduce-overhead" on CUDA and "default" elsewhere. freezing None means on for CPU
     (weights become graph constants and are prepacked; only resident models compile, so that is safe).
-    cpp_wrapper trims per-step overhead at the cost of compile time.
+    cpp_wrapper trims per-step overhead at the cost of compile time. scope "model" compiles the whole
+    decode step (one graph, fastest, long cold compile); "layer" compiles one layer body that every layer
+    reuses (short cold compile; weights are inputs, so it never freezes).
     """
 
     fullgraph: bool = True
@@ -67,6 +69,7 @@ class CompileConfig:
 
         options = dict(torch._inductor.list_mode_options(self.resolved_mode(device)))
         freezing = self.freezing if self.freezing is not None else not device.startswith("cuda")
+        freezing = freezing and self.scope == "model"  # a shared layer body takes weights as inputs
         options.update({"freezing": freezing, "cpp_wrapper": self.cpp_wrapper}, **(self.options or {}))
         kwargs["options"] = options
         return kwargs

@@ -14,7 +14,7 @@ from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
-from tierlm.models.decoder import Decoder
+from tierlm.models.decoder import Decoder, run_layer
 from tierlm.placement.device_map import format_modules
 from tierlm.placement.offload import Streamer, Unit
 from tierlm.placement.placer import Placement, disk_sources, kv_bytes_per_token, parameter_table, resolve
@@ -145,13 +145,16 @@ class Model:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))
             ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=self.device)
             decoder = self.decoder
+            kwargs = cc.compile_kwargs(str(self.device))
+            layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
 
             def decode_step(tokens, positions, slots):
-                return decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)[
-                    :, -1
-                ].float()
+                logits = decoder(
+                    tokens, ones, positions=positions, cache=cache, slots=slots, layer_fn=layer_fn
+                )
+                return logits[:, -1].float()
 
-            compiled = torch.compile(decode_step, **cc.compile_kwargs(str(self.device)))
+            compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
             self._compiled[key] = compiled
 
         def step(tokens, positions, slots, length):

@@ -61,11 +61,13 @@ class Decoder(nn.Module):
         cache=None,
         slots: torch.Tensor | None = None,
         last_only: bool = False,
+        layer_fn=None,
     ) -> torch.Tensor:
         """Logits for input_ids [b, s].
 
         attention_mask [b, s] marks real tokens (0 = left padding). With a cache, `slots` [s] are the
-        cache positions written by this call and `positions` [b, s] the rotary positions.
+        cache positions written by this call and `positions` [b, s] the rotary positions. layer_fn, with a
+        static cache, runs each layer as layer_fn(layer, x, cos, sin, mask, cache.views[i], slots).
         """
         b, s = input_ids.shape
         device = input_ids.device
@@ -84,11 +86,19 @@ class Decoder(nn.Module):
         mask = attention_mask_4d(key_valid, slots)
         rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, rope, mask, cache, slots)
+        for i, layer in enumerate(self.model.layers):
+            if layer_fn is None:
+                x = layer(x, rope, mask, cache, slots)
+            else:  # one compiled layer body for every layer; each gets its own view of the cache
+                x = layer_fn(layer, x, rope[0], rope[1], mask, cache.views[i], slots)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+
+def run_layer(layer: nn.Module, x, cos, sin, mask, cache_view, slots) -> torch.Tensor:
+    """One decoder layer as a plain function of its inputs, so a single compiled body serves all layers."""
+    return layer(x, (cos, sin), mask, cache_view, slots)
 
 
 def attention_mask_4d(key_valid: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
