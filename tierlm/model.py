@@ -272,22 +272,22 @@ def _streamer(
     params = dict(decoder.named_parameters(remove_duplicate=False))
     followers = {f: leader for leader, f in tied}
     disk_names = [n for n in params if placement.tier_of(n) == "disk" and n not in followers]
-    disk, ranges = {}, {}
+    disk = {}
     if disk_names:
         if not isinstance(checkpoint, SafetensorsCheckpoint):
             raise ValueError(
                 "disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)"
             )
-        disk, ranges = disk_sources(checkpoint, disk_names, dtype, folder)
+        disk = disk_sources(checkpoint, disk_names, dtype, folder)
     for follower, leader in followers.items():
         if leader in disk:
-            disk[follower], ranges[follower] = disk[leader], ranges[leader]
+            disk[follower] = disk[leader]
     units = []
     for tier in ("cpu", "disk"):
         for unit in placement.offloaded[tier]:
             members = [n for n in params if n == unit or n.startswith(unit + ".")]
             sources = {n[len(unit) + 1 :]: (disk[n] if tier == "disk" else params[n]) for n in members}
-            units.append(Unit(unit, tier, sources, [ranges[n] for n in members if tier == "disk"]))
+            units.append(Unit(unit, tier, sources))
     order = {name: i for i, name in enumerate(placement.module_map)}
     units.sort(key=lambda u: order[u.name])
     return Streamer(decoder, units, placement.device, placement.drop_disk_pages)

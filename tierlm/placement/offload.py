@@ -2,7 +2,7 @@
 
 A unit is a module mapped to "cpu" (while an accelerator executes) or to "disk". Its weights live in a
 source: pinned CPU tensors, or tensors memory-mapped from a safetensors file. While unit i runs, a
-background thread (or a side CUDA stream) already reads unit i+1; the order wraps around, so the last
+background thread already faults unit i+1's pages in (or copies it on a side CUDA stream); the order wraps around, so the last
 unit of one step prefetches the first unit of the next.
 """
 
@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
 
-READ_CHUNK = 16 << 20  # bytes per read() when warming the page cache ahead of use
+_MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22
 
 
 @dataclass
@@ -30,7 +29,6 @@ class Unit:
     name: str
     tier: str  # "cpu" or "disk"
     sources: dict[str, torch.Tensor]  # parameter name relative to the module -> source tensor
-    ranges: list[tuple[Path, int, int]] = field(default_factory=list)  # disk: (file, offset, length)
 
     @property
     def nbytes(self) -> int:
@@ -49,7 +47,7 @@ class Streamer:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.fetches = 0  # how many unit fetches ran (tests and stats read it)
         self.prefetched = 0  # how many of them were already under way when needed
-        self._libc = ctypes.CDLL(None, use_errno=True) if drop_disk_pages else None
+        self._libc = ctypes.CDLL(None, use_errno=True)
         for i, unit in enumerate(units):
             module = decoder.get_submodule(unit.name)
             module.register_forward_pre_hook(partial(self._fetch, i))
@@ -60,7 +58,7 @@ class Streamer:
         """Bring unit i's weights to the execution device (runs on the prefetch thread)."""
         unit = self.units[i]
         if unit.tier == "disk":
-            read_ahead(unit.ranges)
+            populate(self._libc, unit.sources.values())
         if self.device.type == "cpu" and unit.tier == "disk":
             return unit.sources, None  # memory-mapped weights are used in place
         if self.stream is not None:
@@ -98,11 +96,8 @@ class Streamer:
 
     def _drop_pages(self, t: torch.Tensor) -> None:
         """Unmap a memory-mapped tensor's pages so a RAM budget holds (the file is re-read next time)."""
-        page = mmap.PAGESIZE
-        start = t.data_ptr()
-        aligned = start - start % page
-        length = t.numel() * t.element_size() + (start - aligned)
-        self._libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_DONTNEED)
+        addr, length = _page_span(t)
+        self._libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_DONTNEED)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -115,19 +110,17 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         owner._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
-def read_ahead(ranges: list[tuple[Path, int, int]]) -> None:
-    """Read byte ranges through the page cache in large sequential reads, so use finds them resident."""
-    buf = bytearray(READ_CHUNK)
-    view = memoryview(buf)
-    for file, offset, length in ranges:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-            end = offset + length
-            while offset < end:
-                n = os.preadv(fd, [view[: min(READ_CHUNK, end - offset)]], offset)
-                if n <= 0:
-                    break
-                offset += n
-        finally:
-            os.close(fd)
+def populate(libc, tensors) -> None:
+    """Fault memory-mapped tensors' pages in ahead of use (reading the file only where the page cache lacks
+    them), without copying: MADV_POPULATE_READ, or MADV_WILLNEED read-ahead on kernels before 5.14."""
+    for t in tensors:
+        addr, length = _page_span(t)
+        if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ) != 0:
+            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_WILLNEED)
+
+
+def _page_span(t: torch.Tensor) -> tuple[int, int]:
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    aligned = start - start % page
+    return aligned, t.numel() * t.element_size() + (start - aligned)

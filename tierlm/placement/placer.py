@@ -23,7 +23,7 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
-from tierlm.weights.safetensors import SafetensorsCheckpoint, byte_ranges, mmap_tensors
+from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
 
 KV_RESERVE_TOKENS = 2048  # "auto" maps keep room for a KV cache of this many tokens (batch 1)
 
@@ -130,24 +130,21 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def disk_sources(
     checkpoint: SafetensorsCheckpoint, names: list[str], dtype: torch.dtype, offload_folder: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Path, int, int]]]:
-    """Memory-mapped tensors for disk-offloaded parameters, and their byte ranges for read-ahead.
+) -> dict[str, torch.Tensor]:
+    """Memory-mapped tensors for disk-offloaded parameters.
 
     They come from the checkpoint's own files when the stored dtype is `dtype`; otherwise from an offload
     folder written once, atomically, and reused while it matches the checkpoint and dtype.
     """
-    direct = [n for n in names if checkpoint.dtype(n) == dtype]
     converted = [n for n in names if checkpoint.dtype(n) != dtype]
-    files: dict[str, Path] = {n: checkpoint.files[n] for n in direct}
+    files: dict[str, Path] = {n: checkpoint.files[n] for n in names if n not in converted}
     if converted:
         folder = ensure_offload_folder(checkpoint, converted, dtype, offload_folder)
         files.update(dict.fromkeys(converted, folder / "weights.safetensors"))
-    tensors, ranges = {}, {}
+    tensors = {}
     for file in sorted(set(files.values())):
-        group = [n for n in names if files[n] == file]
-        tensors.update(mmap_tensors(file, group))
-        ranges.update({n: (file, off, ln) for n, (off, ln) in zip(group, byte_ranges(file, group))})
-    return tensors, ranges
+        tensors.update(mmap_tensors(file, [n for n in names if files[n] == file]))
+    return tensors
 
 
 def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:

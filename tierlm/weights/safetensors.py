@@ -155,12 +155,3 @@ def mmap_tensors(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
             arr = np.memmap(file, dtype=np_dtype, mode="r", offset=start + begin, shape=(count,))
             out[name] = torch.from_numpy(arr).view(dtype).view(info["shape"])
     return out
-
-
-def byte_ranges(file: Path, names: list[str]) -> list[tuple[int, int]]:
-    """Absolute (offset, length) of each named tensor's bytes in the file."""
-    start, head = header(file)
-    return [
-        (start + head[n]["data_offsets"][0], head[n]["data_offsets"][1] - head[n]["data_offsets"][0])
-        for n in names
-    ]
