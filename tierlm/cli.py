@@ -231,11 +231,13 @@ def cmd_chat(args) -> int:
 def cmd_plan(args) -> int:
     from tierlm.plan import describe_plan
 
-    print(
-        describe_plan(
-            args.model, cache=args.cache, compile=args.compile, device=args.device, **placement_kwargs(args)
-        )
+    kwargs = placement_kwargs(args)
+    kwargs.pop("offload_folder", None)
+    kwargs.pop("quantize", None)
+    plan = describe_plan(
+        args.model, dtype=args.dtype, cache=args.cache, compile=args.compile, device=args.device, **kwargs
     )
+    print(plan)
     return 0
 
 
