@@ -136,7 +136,13 @@ def build_decoder(
         device = devices if isinstance(devices, torch.device) else devices[name]
         if device == "disk":
             continue
-        value = checkpoint.load(name)
+        mapped = (
+            isinstance(checkpoint, SafetensorsCheckpoint) and not pin_cpu and checkpoint.dtype(name) == dtype
+        )
+        if mapped and torch.device(device).type == "cpu":
+            value = checkpoint.load_mapped(name)  # zero-copy: the weights stay file-backed pages
+        else:
+            value = checkpoint.load(name)
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(value.shape) != expected_shape:
             raise ValueError(

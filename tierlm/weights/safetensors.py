@@ -37,6 +37,7 @@ class SafetensorsCheckpoint:
     def _init(self, config: ModelConfig, files: dict[str, Path]) -> None:
         self.config = config
         self.files = files  # HF name -> file
+        self._headers: dict[Path, tuple[int, dict]] = {}
         self._handles = {f: _open(f) for f in sorted(set(files.values()))}
         self._check_index()
 
@@ -54,6 +55,13 @@ class SafetensorsCheckpoint:
         for d in self.shape(name):
             n *= d
         return n * self.dtype(name).itemsize
+
+    def load_mapped(self, name: str) -> torch.Tensor:
+        """The tensor as stored, zero-copy: memory-mapped from its file (copy-on-write, the file never changes)."""
+        file = self.files[name]
+        if file not in self._headers:
+            self._headers[file] = header(file)
+        return mmap_tensors(file, [name], self._headers[file])[name]
 
     def load(self, name: str) -> torch.Tensor:
         """The tensor as stored (CPU, the checkpoint's dtype)."""
@@ -137,21 +145,22 @@ def header(file: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-def mmap_tensors(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors backed by the file's pages (file-backed memory the kernel can drop and re-read)."""
-    import warnings
+def mmap_tensors(
+    file: Path, names: list[str], parsed: tuple[int, dict] | None = None
+) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors backed by the file's pages (file-backed memory the kernel can drop and re-read).
 
+    The mapping is copy-on-write: writing to a tensor gives the process a private page, never a changed file.
+    """
     import numpy as np
 
-    start, head = header(file)
+    start, head = parsed or header(file)
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only memmaps: tierlm never writes weights
-        for name in names:
-            info = head[name]
-            np_dtype, dtype = _NP_VIEWS[info["dtype"]]
-            begin, end = info["data_offsets"]
-            count = (end - begin) // np.dtype(np_dtype).itemsize
-            arr = np.memmap(file, dtype=np_dtype, mode="r", offset=start + begin, shape=(count,))
-            out[name] = torch.from_numpy(arr).view(dtype).view(info["shape"])
+    for name in names:
+        info = head[name]
+        np_dtype, dtype = _NP_VIEWS[info["dtype"]]
+        begin, end = info["data_offsets"]
+        count = (end - begin) // np.dtype(np_dtype).itemsize
+        arr = np.memmap(file, dtype=np_dtype, mode="c", offset=start + begin, shape=(count,))
+        out[name] = torch.from_numpy(arr).view(dtype).view(info["shape"])
     return out
