@@ -279,7 +279,12 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":
+        args.args = [*args.args, *extra]
     try:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
