@@ -9,7 +9,13 @@ import pytest
 from tierlm.compile import CompileConfig, CompileDecision, CompileSkippedWarning, decide, warn_if_skipped
 from tierlm.generation.config import GenerationConfig
 
-SEED_MAP = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": 0}
+SEED_MAP = {
+    "model.embed_tokens": 0,
+    "model.layers.0": 0,
+    "model.layers.1": "cpu",
+    "model.norm": "cpu",
+    "lm_head": 0,
+}
 STATIC = GenerationConfig(cache_implementation="static")
 
 
@@ -76,7 +82,9 @@ def test_disable_compile_wins_and_warns_only_when_compile_was_asked():
 
 def test_every_failing_condition_adds_its_reason():
     disk = {**SEED_MAP, "model.norm": "disk"}
-    d = decide(normalized(disk), "dynamic", STATIC.replace(disable_compile=True), uncompilable=("int4 weights",))
+    d = decide(
+        normalized(disk), "dynamic", STATIC.replace(disable_compile=True), uncompilable=("int4 weights",)
+    )
     assert d.reasons == (
         "disable_compile=True",
         "cache 'dynamic' is not compilable; use cache_implementation='static'",

@@ -13,7 +13,12 @@ def hf_greedy(hf, ids, mask, new_tokens, eos):
     """transformers' greedy tokens per row, cut after the first EOS (it pads after that)."""
     with torch.no_grad():
         out = hf.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
         )
     rows = []
     for row in out[:, ids.shape[1] :].tolist():
@@ -141,7 +146,9 @@ def test_stop_string_stops_at_the_right_token(default_model):
     assert stop not in default_model.tokenizer.decode(ids[:-1])
 
 
-@pytest.mark.parametrize("prompt", ["Emoji story: 🐱🐶🐭", "東京は日本の首都です。大阪は", "Write a haiku about the sea."])
+@pytest.mark.parametrize(
+    "prompt", ["Emoji story: 🐱🐶🐭", "東京は日本の首都です。大阪は", "Write a haiku about the sea."]
+)
 def test_stream_deltas_concatenate_to_final_text(default_model, prompt):
     deltas = list(default_model.stream(prompt, max_new_tokens=24))
     result = default_model.generate(prompt, max_new_tokens=24)
@@ -160,7 +167,9 @@ def test_stats_report_tokens_and_speed(default_model):
     r = default_model.generate(["Hello", "Hello there, friend"], max_new_tokens=8, min_new_tokens=8)
     s = r.stats
     assert s.new_tokens == 16 and s.batch_size == 2
-    assert s.prompt_tokens == sum(len(default_model.tokenizer.encode(p)) for p in ["Hello", "Hello there, friend"])
+    assert s.prompt_tokens == sum(
+        len(default_model.tokenizer.encode(p)) for p in ["Hello", "Hello there, friend"]
+    )
     assert s.prefill_seconds > 0 and s.decode_tokens_per_s > 0 and s.cache == "static"
 
 
