@@ -84,7 +84,9 @@ def test_errors_are_one_line_with_nonzero_exit(args, needle):
 
 
 def test_plan_shows_tiers_streaming_and_decision():
-    proc = tierlm("plan", "--dtype", "float32", "--device-map", "auto", "--max-memory", "cpu=350MB", "--compile")
+    proc = tierlm(
+        "plan", "--dtype", "float32", "--device-map", "auto", "--max-memory", "cpu=350MB", "--compile"
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "model.layers.0-" in out and "disk" in out

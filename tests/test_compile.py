@@ -14,6 +14,13 @@ import tierlm.compile
 from tierlm import CompileConfig, CompileSkippedWarning
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
+SEED_MAP = {
+    "model.embed_tokens": 0,
+    "model.layers.0": 0,
+    "model.layers.1": "cpu",
+    "model.norm": "cpu",
+    "lm_head": 0,
+}
 LONGER = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
 
 
@@ -119,14 +126,9 @@ def test_freezing_is_never_used_for_an_offloaded_model(tiny_checkpoints, monkeyp
 
 def test_forced_cpu_offload_skips_compile(tiny_checkpoints):
     tierlm.compile._warned.clear()
-    seed = {
-        "model.embed_tokens": 0,
-        "model.layers.0": 0,
-        "model.layers.1": "cpu",
-        "model.norm": "cpu",
-        "lm_head": 0,
-    }
-    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=seed, execution_device="cpu")
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="float32", device_map=SEED_MAP, execution_device="cpu"
+    )
     with pytest.warns(CompileSkippedWarning, match="model.layers.1, model.norm are offloaded to cpu"):
         r = run(model, compile_config=CompileConfig())
     assert not r.stats.compile.compile
@@ -149,17 +151,10 @@ def test_dynamic_cache_and_disable_compile_run_eagerly(tiny_checkpoints):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_seed_map_does_not_compile_and_matches_all_gpu(tiny_checkpoints):
     path = tiny_checkpoints["mistral"]
-    seed = {
-        "model.embed_tokens": 0,
-        "model.layers.0": 0,
-        "model.layers.1": "cpu",
-        "model.norm": "cpu",
-        "lm_head": 0,
-    }
     all_gpu = tierlm.load(path, dtype="float32", device_map={"": 0})
     compiled_run = run(all_gpu, cache_implementation="static")
     assert compiled_run.stats.compile.compile  # CUDA compiles by default (reduce-overhead)
-    offloaded = tierlm.load(path, dtype="float32", device_map=seed)
+    offloaded = tierlm.load(path, dtype="float32", device_map=SEED_MAP)
     r = run(offloaded, cache_implementation="static")
     assert not r.stats.compile.compile
     assert r.token_ids == compiled_run.token_ids == run(all_gpu, disable_compile=True).token_ids

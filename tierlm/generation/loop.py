@@ -21,10 +21,6 @@ class Batch:
     ids: torch.Tensor
     mask: torch.Tensor
 
-    @property
-    def lengths(self) -> list[int]:
-        return self.mask.sum(-1).tolist()
-
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> Batch:
     width = max(len(p) for p in prompts)
