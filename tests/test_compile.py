@@ -124,6 +124,27 @@ def test_freezing_is_never_used_for_an_offloaded_model(tiny_checkpoints, monkeyp
     assert calls and calls[0]["options"]["freezing"] is True
 
 
+def test_freezing_makes_the_weights_graph_constants(tiny_checkpoints, monkeypatch):
+    """With freezing on, inductor folds every projection weight into the graph (not a graph input)."""
+    import torch._inductor.freezing as inductor_freezing
+
+    real_freeze, frozen = inductor_freezing.freeze, []
+
+    def spy(dynamo_gm, aot_gm, example_inputs):
+        gm, preserved = real_freeze(dynamo_gm, aot_gm, example_inputs)
+        frozen.append(len(example_inputs) - len(preserved))
+        return gm, preserved
+
+    monkeypatch.setattr(inductor_freezing, "freeze", spy)
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    result = run(model, n=4, compile_config=CompileConfig(freezing=True))
+    assert result.stats.compile.compile
+    layers = model.config.num_layers
+    # q/k/v + o + gate/up + down per layer (fused or not), the norms and the LM head, at the least
+    assert frozen and frozen[0] >= 4 * layers + 1, frozen
+    assert result.token_ids == run(model, n=4).token_ids
+
+
 def test_forced_cpu_offload_skips_compile(tiny_checkpoints):
     tierlm.compile._warned.clear()
     model = tierlm.load(

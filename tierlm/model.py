@@ -155,11 +155,24 @@ class Model:
                 return logits[:, -1].float()
 
             compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
-            self._compiled[key] = compiled
+            freezing = bool(kwargs.get("options", {}).get("freezing"))
+            self._compiled[key] = compiled = (compiled, freezing)
+        compiled, freezing = compiled
 
         def step(tokens, positions, slots, length):
             cache.limit = cache.max_len  # fixed shapes: the graph always reads the whole cache
-            return compiled(tokens, positions, slots)
+            if not freezing:
+                return compiled(tokens, positions, slots)
+            # Dynamo reads inductor's `freezing` flag while tracing (to make the weights graph
+            # attributes that inductor can fold and prepack); options given to torch.compile only
+            # reach inductor, so without this the weights stay graph inputs and nothing is frozen.
+            inductor_config = torch._inductor.config
+            old = inductor_config.freezing
+            inductor_config.freezing = True
+            try:
+                return compiled(tokens, positions, slots)
+            finally:
+                inductor_config.freezing = old
 
         return step
 
