@@ -48,7 +48,16 @@ class CompileConfig:
     def __hash__(self) -> int:
         opts = tuple(sorted((self.options or {}).items()))
         return hash(
-            (self.fullgraph, self.dynamic, self.backend, self.mode, opts, self.freezing, self.cpp_wrapper)
+            (
+                self.fullgraph,
+                self.dynamic,
+                self.backend,
+                self.mode,
+                opts,
+                self.freezing,
+                self.cpp_wrapper,
+                self.scope,
+            )
         )
 
     def resolved_mode(self, device: str) -> str:
