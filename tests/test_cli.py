@@ -110,3 +110,12 @@ def test_chat_keeps_history_and_exits_on_eof():
     prompt = model.tokenizer.apply_chat_template(history)
     assert replies[1] == model.generate(prompt, max_new_tokens=12).texts[0]  # the second turn saw the first
     assert proc.stdout.endswith("> \n")  # EOF at the third prompt ends the session cleanly
+
+
+def test_bench_passes_its_arguments_through_in_order(capsys):
+    from tierlm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # decode.py's own check rejects --runs 0
+        main(["bench", "--runs", "0", "--new-tokens", "4"])
+    assert exit_info.value.code == 2
+    assert "--runs >= 1" in capsys.readouterr().err
