@@ -49,7 +49,8 @@ def test_all_on_gpu_compiles_in_reduce_overhead_mode():
     d = decide(all_gpu, "static", STATIC)
     assert d == CompileDecision(True, (), "cuda:0")
     assert CompileConfig().resolved_mode(d.device) == "reduce-overhead"
-    assert CompileConfig().resolved_mode("cpu") == "default"
+    assert CompileConfig().resolved_mode("cpu") == "max-autotune-no-cudagraphs"
+    assert CompileConfig(scope="layer").resolved_mode("cpu") == "default"
 
 
 def test_all_cpu_with_compile_config_compiles():

@@ -39,7 +39,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--cache", choices=("static", "dynamic"), default="static")
     p.add_argument("--compile", action="store_true", help="compile the decode step (CompileConfig())")
+    p.add_argument(
+        "--compile-scope",
+        choices=("model", "layer"),
+        help="compile the decode step with this scope: model (fastest, ~2 min cold) or layer (~15 s)",
+    )
     p.add_argument("--no-compile", action="store_true", help="never compile (disable_compile=True)")
+
+
+def compile_config(args):
+    """CompileConfig from --compile / --compile-scope, or None (do not compile)."""
+    from tierlm.compile import CompileConfig
+
+    if args.compile_scope:
+        return CompileConfig(scope=args.compile_scope)
+    return CompileConfig() if args.compile else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--compile", action="store_true")
+    serve.add_argument("--compile-scope", choices=("model", "layer"))
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--api-key")
     return parser
@@ -133,7 +148,6 @@ def _json_arg(text: str, flag: str):
 
 
 def generation_config(args):
-    from tierlm.compile import CompileConfig
     from tierlm.generation.config import GenerationConfig
 
     sample = args.do_sample or (args.temperature is not None and args.temperature > 0)
@@ -150,7 +164,7 @@ def generation_config(args):
         seed=args.seed,
         stop=tuple(args.stop),
         cache_implementation=args.cache,
-        compile_config=CompileConfig() if args.compile else None,
+        compile_config=compile_config(args),
         disable_compile=args.no_compile,
     )
 
@@ -253,7 +267,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tierlm.compile import CompileConfig
     from tierlm.generation.config import GenerationConfig
     from tierlm.server import run_server
 
@@ -264,7 +277,7 @@ def cmd_serve(args) -> int:
         args.port,
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
-        generation_config=GenerationConfig(compile_config=CompileConfig()) if args.compile else None,
+        generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
     )
     return 0
 
