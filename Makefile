@@ -26,7 +26,7 @@ test: setup
 
 bench: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python  # the llama.cpp column
-	$(PY) benchmarks/decode.py --compiled
+	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/quality.py
 
 lint: setup

@@ -1,27 +1,40 @@
-"""Decode speed of tierlm vs transformers (and llama.cpp) on the default model: same prompt tokens, greedy,
-a forced number of new tokens, runs interleaved between engines, medians reported.
+"""Decode speed and compile cost of tierlm vs transformers (and llama.cpp) on the default model.
 
-Decode tok/s is measured the same way for every engine: (new tokens after the first) x batch divided by
-(wall time of the full call - prefill time), where prefill time is the median wall time of a call that
-makes one token (llama.cpp: the time to its first token). Run: python benchmarks/decode.py [--help]
+Engines: tierlm eager; compiled tierlm, each variant a separately loaded model (weights bf16, or int8 /
+int4 with bf16 activations, x CompileConfig scope "model" or "layer"; bf16 only); transformers eager;
+llama.cpp (batch 1). Same prompt tokens, greedy, forced length, runs interleaved, medians. Decode tok/s:
+(new tokens after the first) x batch / (wall time of the full call - prefill time), prefill time being
+the median time of a one-token call (llama.cpp: time to its first token). Cold compile s: with the
+inductor cache in a fresh temporary directory, a variant's warm-up call minus its median timed call.
+Warm start s: afterwards, a new process per variant on the warm inductor cache, from its first line
+(before `import torch`) to the first decoded token, batch 1. Run: python benchmarks/decode.py [--help]
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
+
+import time
+
+START = time.perf_counter()  # a --warm-start-child measures from here, before `import torch`
+START_WALL = time.time()
 
 import argparse
 import gc
 import inspect
+import json
 import os
+import shutil
+import subprocess
 import sys
-import time
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runpy (`tierlm bench`) does not add it
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF progress bar; read when tqdm is imported
 
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import torch
+from common import (
     Runs,
     contention_warning,
     default_model_file,
@@ -47,7 +60,35 @@ QUESTIONS = [  # 37-47 tokens with the chat template, so batches are left-padded
     "Name three animals that live in the ocean and say one thing about each of them.",
 ]
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-TIERLM, COMPILED, HF, LLAMA = "tierlm", "tierlm compiled", "transformers", "llama.cpp (Q4_1)"
+TIERLM, HF, LLAMA = "tierlm eager", "transformers eager", "llama.cpp (Q4_1)"
+WEIGHTS, SCOPES = ("bf16", "int8", "int4"), ("model", "layer")  # SCOPES as tierlm.compile.SCOPES
+VARIANTS = ",".join(f"{w}:{s}" for w in WEIGHTS for s in SCOPES)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A compiled tierlm: bf16 weights, or int8 / int4 ones with bf16 activations, x the compile scope."""
+
+    weights: str
+    scope: str
+
+    @property
+    def name(self) -> str:
+        return f"tierlm {self.weights} {self.scope}"
+
+    @property
+    def spec(self) -> str:
+        return f"{self.weights}:{self.scope}"
+
+    def load(self):
+        import tierlm
+
+        return tierlm.load(dtype="bfloat16", quantize=None if self.weights == "bf16" else self.weights)
+
+    def compile_config(self, mode: str | None):
+        from tierlm import CompileConfig
+
+        return CompileConfig(scope=self.scope) if mode is None else CompileConfig(scope=self.scope, mode=mode)
 
 
 @dataclass
@@ -73,12 +114,27 @@ class Result:
     decode_spread: float
     runs_tok_s: list[float]
     loop_tok_s: float | None = None
-    compile_s: float | None = None
+    compile_s: float | None = None  # cold compile: the warm-up call minus the median timed call
     same_tokens: str = "-"  # leading tokens equal to transformers' (min over rows) / new tokens
 
     @property
     def prefill_tok_s(self) -> float:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+
+@dataclass
+class WarmStart:
+    """A fresh process on the warm inductor cache, batch 1, to its first decoded token."""
+
+    engine: str
+    total_s: float = float("nan")  # the child's first line (before `import torch`) to the first decoded token
+    startup_s: float = float("nan")  # interpreter start: spawn to the child's first line (wall clock)
+    import_s: float = float("nan")  # torch, tierlm and this script
+    load_s: float = float("nan")  # tierlm.load (and quantization) plus tokenizing the prompt
+    generate_s: float = float("nan")  # generate(): prefill, then one compiled decode step
+    cache_hits: int = 0  # inductor FX graph cache hits / misses in the child
+    cache_misses: int = 0
+    error: str | None = None
 
 
 class TierlmEngine:
@@ -185,27 +241,17 @@ def chat_prompts(tokenizer, batch: int) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-def summarize(engine: str, dtype: str, rows: list[list[int]], n: int, runs: Runs) -> Result:
+def summarize(engine: str, dtype: str, rows: list[list[int]], n: int, runs: Runs, compiled: bool) -> Result:
     samples: list[Sample] = runs.timed
     prefill = median([s.prefill_s for s in samples])
     decoded = (n - 1) * len(rows)
     rates = [decoded / (s.total_s - prefill) if s.total_s > prefill else float("nan") for s in samples]
     loop = [s.loop_tok_s for s in samples if s.loop_tok_s is not None]
-    compile_s = None
-    if engine == COMPILED:
-        compile_s = runs.warmup[0].total_s - median([s.total_s for s in samples])
-    return Result(
-        engine,
-        dtype,
-        len(rows),
-        sum(len(r) for r in rows),
-        prefill,
-        median(rates),
-        spread(rates),
-        rates,
-        median(loop) if loop else None,
-        compile_s,
-    )
+    compile_s = runs.warmup[0].total_s - median([s.total_s for s in samples]) if compiled else None
+    tokens = sum(len(r) for r in rows)
+    result = Result(engine, dtype, len(rows), tokens, prefill, median(rates), spread(rates), rates)
+    result.loop_tok_s, result.compile_s = median(loop) if loop else None, compile_s
+    return result
 
 
 def leading_matches(a: list[list[int]], b: list[list[int]]) -> int:
@@ -223,7 +269,10 @@ def bench_group(engines: dict, dtype: str, rows: list[list[int]], args) -> list[
     calls = {name: (lambda e=e: e.sample(rows, args.new_tokens)) for name, e in engines.items()}
     status(f"{dtype}, batch {len(rows)}: {', '.join(calls)}")
     runs = interleave(calls, args.runs, warmup=1)
-    results = [summarize(name, dtype, rows, args.new_tokens, r) for name, r in runs.items()]
+    results = []
+    for name, r in runs.items():
+        compiled = getattr(engines[name], "compile_config", None) is not None
+        results.append(summarize(name, dtype, rows, args.new_tokens, r, compiled))
     if HF in runs:
         reference = runs[HF].timed[-1].tokens
         for res in results:
@@ -235,13 +284,14 @@ def bench_group(engines: dict, dtype: str, rows: list[list[int]], args) -> list[
 
 def bench_dtype(dtype: str, args, model_file: Path, llama) -> list[Result]:
     import tierlm
-    from tierlm import CompileConfig
 
     status(f"loading tierlm ({dtype}) ...")
     model = tierlm.load(dtype=dtype)
     engines = {TIERLM: TierlmEngine(model)}
-    if args.compiled:
-        engines[COMPILED] = TierlmEngine(model, CompileConfig())
+    if dtype == "bfloat16":  # compiled variants compute in bf16
+        for v in args.variants:
+            status(f"loading {v.name} ...")
+            engines[v.name] = TierlmEngine(v.load(), v.compile_config(args.mode))
     if not args.skip_transformers:
         status(f"loading transformers ({dtype}) ...")
         engines[HF] = TransformersEngine(model_file, dtype, model.tokenizer.pad_token_id)
@@ -255,6 +305,64 @@ def bench_dtype(dtype: str, args, model_file: Path, llama) -> list[Result]:
     del engines, model
     gc.collect()
     return results
+
+
+def warm_inductor() -> float:
+    """Compile a trivial function once, so that one-off process costs (importing inductor, probing the C++
+    compiler and the CPU's vector ISA) fall on no variant's cold compile: those stay comparable."""
+    seconds, _ = timed(lambda: torch.compile(lambda x: x * 2 + 1)(torch.ones(8)))
+    return seconds
+
+
+def warm_start(variant: Variant, args) -> WarmStart:
+    """Run this script as a --warm-start-child for `variant`, on the inductor cache this process filled."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--warm-start-child", variant.spec]
+    command += ["--new-tokens", str(args.new_tokens)]
+    command += ["--threads", str(args.threads)] if args.threads else []
+    command += ["--mode", args.mode] if args.mode else []
+    command += ["--spawned-at", repr(time.time())]
+    status(f"  {variant.name}: warm start in a new process ...")
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        status(f"  {variant.name}: warm start failed (exit {done.returncode}): {tail}")
+        return WarmStart(variant.name, error=f"exit {done.returncode}: {tail}")
+    return WarmStart(variant.name, **json.loads(lines[-1]))
+
+
+def warm_start_child(args) -> None:
+    """In the child: import, load the variant, make two tokens (the second from one compiled decode step)
+    at batch 1 on a static cache as long as the parent's; print the times as one JSON line."""
+    from torch._dynamo.utils import counters
+
+    from tierlm.cache import bucket_length  # imports all of tierlm
+
+    imported = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variant = args.variants[0]
+    model = variant.load()
+    rows = chat_prompts(model.tokenizer, 1)
+    length = bucket_length(len(rows[0]) + args.new_tokens, model.config.max_position_embeddings)
+    loaded = time.perf_counter()
+    # max_cache_len: the parent's batch-1 cache shape, so that its compiled graph is reused
+    config = dict(max_new_tokens=2, min_new_tokens=2, cache_implementation="static", max_cache_len=length)
+    r = model.generate(rows, compile_config=variant.compile_config(args.mode), **config)
+    end = time.perf_counter()
+    if not r.stats.compile.compile:
+        raise SystemExit(f"tierlm did not compile the decode step: {r.stats.compile.explain()}")
+    inductor = counters["inductor"]
+    out = {
+        "total_s": end - START,
+        "startup_s": START_WALL - args.spawned_at if args.spawned_at else float("nan"),
+        "import_s": imported - START,
+        "load_s": loaded - imported,
+        "generate_s": end - loaded,
+        "cache_hits": inductor["fxgraph_cache_hit"],
+        "cache_misses": inductor["fxgraph_cache_miss"],
+    }
+    print(json.dumps(out), flush=True)
 
 
 def check_tokenizers(model_file: Path, tokenizer, rows: list[list[int]]) -> str:
@@ -280,54 +388,105 @@ def open_llama(model_file: Path, eos_ids, args) -> LlamaCppEngine | None:
     return LlamaCppEngine(model_file, tuple(eos_ids), 256 + args.new_tokens, threads)
 
 
-def print_results(results: list[Result], args) -> None:
-    by_key = {(r.dtype, r.batch, r.engine): r for r in results}
-    engines = list(dict.fromkeys(r.engine for r in results))
-    peers = [e for e in (HF, LLAMA) if e in engines]
-    ours = [e for e in (TIERLM, COMPILED) if e in engines]
-    ratios = [(o, p) for p in peers for o in ours]
-    headers = ["dtype", "batch", *engines, *(f"{o} / {p.split()[0]}" for o, p in ratios)]
-    rows = []
-    for dtype, batch in dict.fromkeys((r.dtype, r.batch) for r in results):
-        cell = {e: by_key.get((dtype, batch, e)) for e in engines}
-        row = [dtype, str(batch), *(fmt(c.decode_tok_s) if c else "-" for c in cell.values())]
-        for o, p in ratios:
-            a, b = cell.get(o), cell.get(p)
-            row.append(fmt(a.decode_tok_s / b.decode_tok_s, 2) + "x" if a and b else "-")
-        rows.append(row)
-    print_table(headers, rows, f"Decode tok/s, all rows together (median of {args.runs} interleaved runs)")
+def ratio(a: Result | None, b: Result | None) -> str:
+    if a is None or b is None or a is b:
+        return "-"
+    return fmt(a.decode_tok_s / b.decode_tok_s, 2) + "x"
 
+
+def print_summary(results: list[Result], warm: dict[str, WarmStart], args) -> None:
+    by_key = {(r.dtype, r.batch, r.engine): r for r in results}
+    ref = 1 if 1 in args.batches else args.batches[0]  # the batch of the prefill and ratio columns
+    compiled = any(r.compile_s is not None for r in results)
+    headers = ["dtype", "engine", *(f"tok/s b{b}" for b in args.batches), f"prefill tok/s b{ref}"]
+    headers += [f"cold compile s b{b}" for b in args.batches] if compiled else []
+    headers += ["warm start s"] if warm else []
+    peers = {e: b for e, b in ((HF, ref), (LLAMA, 1)) if any(r.engine == e for r in results)}
+    headers += [f"x {e.split()[0]} b{b}" for e, b in peers.items()]
+    rows = []
+    for dtype, engine in dict.fromkeys((r.dtype, r.engine) for r in results):
+        cells = [by_key.get((dtype, b, engine)) for b in args.batches]
+        first = by_key.get((dtype, ref, engine))
+        row = [dtype, engine, *(fmt(c.decode_tok_s) if c else "-" for c in cells)]
+        row.append(fmt(first.prefill_tok_s) if first else "-")
+        row += [fmt(c.compile_s if c else None) for c in cells] if compiled else []
+        if warm:
+            w = warm.get(engine) if dtype == "bfloat16" else None
+            row.append(fmt(w.total_s) if w else "-")
+        row += [ratio(by_key.get((dtype, b, engine)), by_key.get((dtype, b, e))) for e, b in peers.items()]
+        rows.append(row)
+    print_table(
+        headers,
+        rows,
+        f"Summary: decode tok/s of all rows together (median of {args.runs} interleaved runs); "
+        "x = decode tok/s over that peer's (same dtype, same batch)",
+    )
+
+
+def print_results(results: list[Result], warm: dict[str, WarmStart], args) -> None:
+    print_summary(results, warm, args)
     headers = ["dtype", "batch", "engine", "prompt tok", "prefill ms", "prefill tok/s", "decode tok/s"]
-    headers += ["spread", "loop tok/s", "compile s", "same tokens as HF"]
+    headers += ["spread", "loop tok/s", "cold compile s", "same tokens as HF"]
     rows = [
-        [
-            r.dtype,
-            str(r.batch),
-            r.engine,
-            str(r.prompt_tokens),
-            fmt(r.prefill_s * 1000),
-            fmt(r.prefill_tok_s),
-            fmt(r.decode_tok_s),
-            f"{r.decode_spread:.0%}",
-            fmt(r.loop_tok_s),
-            fmt(r.compile_s),
-            r.same_tokens,
-        ]
+        [r.dtype, str(r.batch), r.engine, str(r.prompt_tokens), fmt(r.prefill_s * 1000), fmt(r.prefill_tok_s)]
+        + [fmt(r.decode_tok_s), f"{r.decode_spread:.0%}", fmt(r.loop_tok_s), fmt(r.compile_s), r.same_tokens]
         for r in results
     ]
     print_table(headers, rows, "Details (spread = (max - min) / median of the runs' decode tok/s)")
+    if not warm:
+        return
+    headers = ["engine", "warm start s", "python start s", "import s", "load s", "first generate s"]
+    headers += ["fx cache hits", "fx cache misses"]
+    rows = [
+        [w.engine, fmt(w.total_s, 2), fmt(w.startup_s, 2), fmt(w.import_s, 2), fmt(w.load_s, 2)]
+        + [fmt(w.generate_s, 2), str(w.cache_hits), str(w.cache_misses)]
+        for w in warm.values()
+    ]
+    print_table(
+        headers,
+        rows,
+        "Warm start, batch 1, bf16: a new process on the warm inductor cache, from its first line (before "
+        "`import torch`) to the first decoded token\n(python start: interpreter start-up before that line, "
+        "not included; first generate: prefill plus one compiled decode step)",
+    )
+    for w in warm.values():
+        if w.error:
+            print(f"{w.engine}: warm start failed: {w.error}")
+
+
+def parse_variants(text: str, p: argparse.ArgumentParser) -> list[Variant]:
+    if text.strip() == "none":
+        return []
+    variants = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        weights, _, scope = spec.partition(":")
+        if weights not in WEIGHTS or scope not in SCOPES:
+            p.error(f"unknown variant {spec!r}; use WEIGHTS:SCOPE, WEIGHTS in {WEIGHTS}, SCOPE in {SCOPES}")
+        variants.append(Variant(weights, scope))
+    return list(dict.fromkeys(variants))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tierlm bench", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine (after one warm-up)")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--dtypes", default="bf16", help="comma-separated: fp32, bf16 (compiled: bf16 only)")
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per row (EOS suppressed)")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--compiled", action="store_true", help="add tierlm with CompileConfig() (slow start)")
+    p.add_argument(
+        "--variants",
+        default=VARIANTS,
+        help=f"compiled tierlm variants WEIGHTS:SCOPE, comma-separated, or none (default: {VARIANTS})",
+    )
+    p.add_argument(
+        "--compiled", action="store_true", help="old flag, kept for scripts: the default --variants"
+    )
+    p.add_argument("--mode", help="CompileConfig(mode=...) for the variants (default: tierlm's)")
+    p.add_argument("--inductor-cache", help="inductor cache dir (default: a fresh temporary one, so cold)")
     p.add_argument("--threads", type=int, help="torch and llama.cpp threads (default: torch's; llama.cpp 2)")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--warm-start-child", metavar="VARIANT", help=argparse.SUPPRESS)
+    p.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `tierlm bench -- --runs 5`
     try:
@@ -337,11 +496,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     if args.runs < 1 or args.new_tokens < 2 or not args.batches or min(args.batches) < 1:
         p.error("--runs >= 1, --new-tokens >= 2 and batch sizes >= 1 are needed")
+    args.variants = parse_variants(args.warm_start_child or args.variants, p)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.warm_start_child:
+        return warm_start_child(args)
+    # Before anything compiles: inductor memoizes paths under this directory.
+    cache_dir = args.inductor_cache or tempfile.mkdtemp(prefix="tierlm-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        run(args, cache_dir)
+    finally:
+        if not args.inductor_cache:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def run(args, cache_dir: str) -> None:
     start = time.perf_counter()
     warning = contention_warning()
     if args.threads:
@@ -353,9 +526,10 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     model_file = default_model_file()
-    tokenizer = tierlm.load(dtype="float32").tokenizer  # the weights load again per dtype below
+    tokenizer = tierlm.load(dtype=args.dtypes[0]).tokenizer  # the weights load again per engine below
     one = chat_prompts(tokenizer, 1)
     widths = sorted(len(r) for r in chat_prompts(tokenizer, max(args.batches)))
+    variants = args.variants if "bfloat16" in args.dtypes else []
     print(f"model: {model_file.name}; torch {torch.__version__}, torch threads: {torch.get_num_threads()}")
     print(f"prompt: {len(one[0])} tokens (chat template of {QUESTIONS[0]!r}); ", end="")
     if max(args.batches) > 1:
@@ -363,17 +537,29 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.new_tokens} new tokens forced, greedy; {machine_load()} at the start")
     if warning:
         print(warning)
+    if variants:
+        kind = "given, so compiles may be warm" if args.inductor_cache else "fresh, so compiles are cold"
+        print(f"compiled (bf16): {', '.join(v.spec for v in variants)}; mode: {args.mode or 'default'}")
+        print(f"inductor cache: {cache_dir} ({kind}); one-off inductor warm-up: {warm_inductor():.1f} s")
     if not args.skip_transformers:
         print(f"tokenizer check: {check_tokenizers(model_file, tokenizer, one)}")
     llama = open_llama(model_file, tokenizer.eos_token_ids, args)
     results = []
     for dtype in args.dtypes:
         results += bench_dtype(dtype, args, model_file, llama)
-    print_results(results, args)
+    warm = {}
+    if variants and 1 in args.batches:  # the batch-1 graphs are in the inductor cache now
+        status("warm starts, batch 1:")
+        warm = {v.name: warm_start(v, args) for v in variants}
+    elif variants:
+        print("warm start: not measured (it reuses the batch-1 graphs; add batch 1 to --batches)")
+    print_results(results, warm, args)
     elapsed = time.perf_counter() - start
     print(f"\ntotal benchmark time: {elapsed:.0f} s; {machine_load()} at the end")
     if args.json:
-        write_json(args.json, {"settings": vars(args), "seconds": elapsed, "results": results_json(results)})
+        settings = {**vars(args), "variants": [v.spec for v in args.variants]}
+        data = {"settings": settings, "seconds": elapsed, "results": results_json(results)}
+        write_json(args.json, {**data, "warm_starts": [vars(w) for w in warm.values()]})
 
 
 def results_json(results: list[Result]) -> list[dict]:
