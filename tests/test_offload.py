@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 from conftest import write_tiny_checkpoint
+from safetensors.torch import load_file
 
 import tierlm
 
@@ -56,6 +57,42 @@ def test_offload_matches_resident(tiny_checkpoints, resident, family, cache, dev
     assert (
         model.streamer.fetches > 0 and model.streamer.prefetched > 0
     )  # weights really streamed, ahead of use
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "device_map, kwargs",
+    [
+        (HALF_ON_DISK, {}),
+        ({"": "disk", "model.embed_tokens": "cpu"}, {}),
+        (SEED_MAP, {"execution_device": "cpu"}),
+    ],
+    ids=["half-disk", "all-but-embed-disk", "cpu-offload-forced"],
+)
+def test_quantized_offload_matches_quantized_resident(tiny_checkpoints, mode, device_map, kwargs, tmp_path):
+    from tierlm.quant import Int4Linear, Int8Linear
+
+    path = tiny_checkpoints["llama"]
+    load = dict(dtype="bfloat16", quantize=mode, group_size=32)
+    expected = tokens(tierlm.load(path, **load))
+    model = tierlm.load(path, **load, device_map=device_map, offload_folder=tmp_path, **kwargs)
+    kind = Int8Linear if mode == "int8" else Int4Linear
+    offloaded = [u.name for u in model.streamer.units]
+    streamed = [
+        n for n, m in model.decoder.named_modules() if isinstance(m, kind) and n.startswith(tuple(offloaded))
+    ]
+    assert streamed, "no packed linear is streamed"
+    assert tokens(model) == expected
+    assert tokens(model, "dynamic") == expected
+    assert model.streamer.fetches > 0 and model.streamer.prefetched > 0
+    if any(u.tier == "disk" for u in model.streamer.units):  # the packed folder is reused, not rewritten
+        (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith(f"-{mode}-g32-cpu")]
+        stamp = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+        stored = [k for f in folder.glob("*.safetensors") for k in load_file(f)]  # valid safetensors
+        assert any(k.endswith(("weight_int8", "weight_int4")) for k in stored)
+        again = tierlm.load(path, **load, device_map=device_map, offload_folder=tmp_path, **kwargs)
+        assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == stamp
+        assert tokens(again) == expected
 
 
 def test_auto_map_with_small_budget_goes_to_disk(tmp_path):

@@ -50,6 +50,17 @@ def test_quantized_model_generates_and_compiles_nothing_unexpected():
     assert "Paris" in r.texts[0]
 
 
-def test_quantize_with_offload_is_a_clear_error():
-    with pytest.raises(ValueError, match="needs a resident model; model.layers.29 would be offloaded"):
-        tierlm.load(dtype="bfloat16", quantize="int4", device_map={"": "cpu", "model.layers.29": "disk"})
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_default_model_quantized_offload_streams_packed_weights_and_matches_resident(mode, tmp_path):
+    """Half the layers on disk: they stream their packed weights (from a folder written once) and give
+    the resident quantized model's tokens."""
+    prompt = "The capital of France is"
+    expected = tierlm.load(dtype="bfloat16", quantize=mode).generate(prompt, max_new_tokens=12).token_ids
+    half = {"": "cpu", **{f"model.layers.{i}": "disk" for i in range(15, 30)}}
+    model = tierlm.load(dtype="bfloat16", quantize=mode, device_map=half, offload_folder=tmp_path)
+    layer = model.decoder.model.layers[29].self_attn.q_proj
+    assert type(layer).__name__ == ("Int8Linear" if mode == "int8" else "Int4Linear")
+    packed = layer.weight_int8 if mode == "int8" else layer.weight_int4
+    assert not packed.is_meta  # between forwards the unit holds its memory-mapped source
+    assert model.generate(prompt, max_new_tokens=12).token_ids == expected
+    assert model.streamer.fetches > 0

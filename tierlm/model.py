@@ -15,9 +15,15 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder, run_layer
-from tierlm.placement.device_map import format_modules
 from tierlm.placement.offload import Streamer, Unit
-from tierlm.placement.placer import Placement, disk_sources, kv_bytes_per_token, parameter_table, resolve
+from tierlm.placement.placer import (
+    Placement,
+    disk_sources,
+    kv_bytes_per_token,
+    offload_key,
+    parameter_table,
+    resolve,
+)
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -237,9 +243,10 @@ def load(
     devices = {n: _param_device(placement, n) for n in names}
     decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
-    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied)
-    if quantize is not None:
-        _quantize(decoder, placement, quantize, group_size or _int4_group(path))
+    quant = (quantize, group_size or _int4_group(path)) if quantize is not None else None
+    if quant is not None:  # resident linears now; offloaded ones as their units are built
+        _quantize(decoder, placement, *quant)
+    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied, quant)
     decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
     return Model(decoder, path, tokenizer, placement, streamer)
 
@@ -274,15 +281,13 @@ def _int4_group(path: Path) -> int:
 
 
 def _quantize(decoder: Decoder, placement: Placement, mode: str, group_size: int) -> None:
-    from tierlm.quant import quantize_decoder
+    from tierlm.quant import MODES, quantize_decoder
 
-    if not placement.resident:
-        offloaded = placement.offloaded["cpu"] + placement.offloaded["disk"]
-        raise ValueError(
-            f"quantize={mode!r} needs a resident model; {format_modules(offloaded)} would be offloaded "
-            "(streaming packed weights is not supported yet)"
-        )
-    quantize_decoder(decoder, mode, group_size)
+    if mode not in MODES:
+        raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
+    quantize_decoder(
+        decoder, mode, group_size, skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"])
+    )
 
 
 def _param_device(placement: Placement, name: str):
@@ -295,9 +300,10 @@ def _param_device(placement: Placement, name: str):
 
 
 def _streamer(
-    decoder: Decoder, checkpoint, placement: Placement, dtype, folder: Path, tied
+    decoder: Decoder, checkpoint, placement: Placement, dtype, folder: Path, tied, quant=None
 ) -> Streamer | None:
-    """Hooks that stream every offloaded unit's weights; None when everything is resident."""
+    """Hooks that stream every offloaded unit's weights (packed ones when `quant` = (mode, group size));
+    None when everything is resident."""
     if placement.resident:
         return None
     params = dict(decoder.named_parameters(remove_duplicate=False))
@@ -321,4 +327,12 @@ def _streamer(
             units.append(Unit(unit, tier, sources))
     order = {name: i for i, name in enumerate(placement.module_map)}
     units.sort(key=lambda u: order[u.name])
+    if quant is not None:
+        from tierlm.placement.quantized import quantize_units
+
+        names = sorted(n for n in params if placement.tier_of(n) == "disk")
+        key = offload_key(checkpoint, names) if isinstance(checkpoint, SafetensorsCheckpoint) else "resident"
+        identity = {"checkpoint": key, "dtype": str(dtype)}
+        packed = folder / f"{key}-{quant[0]}-g{quant[1]}-{placement.device.type}"
+        units = quantize_units(decoder, units, *quant, dtype, placement.device, packed, identity)
     return Streamer(decoder, units, placement.device, placement.drop_disk_pages)

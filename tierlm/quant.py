@@ -180,11 +180,14 @@ def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch
     return aten._weight_int4pack_mm(x2d, packed, group_size, sz)  # cuda, UNTESTED here
 
 
-def quantize_decoder(decoder: nn.Module, mode: str, group_size: int = 64) -> list[str]:
+def quantize_decoder(
+    decoder: nn.Module, mode: str, group_size: int = 64, skip: tuple[str, ...] = ()
+) -> list[str]:
     """Replace every attention/MLP projection and lm_head with Int8Linear or Int4Linear, in place.
 
     Returns the names quantized. A tied embedding stays exact: lm_head quantizes its own copy. Int4
-    layers whose shape the kernel cannot take stay in float (with one warning naming them).
+    layers whose shape the kernel cannot take stay in float (with one warning naming them). Modules under
+    a `skip` prefix (offloaded units, quantized as they stream: placement/quantized.py) are left alone.
     """
     if mode not in MODES:
         raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
@@ -196,7 +199,9 @@ def quantize_decoder(decoder: nn.Module, mode: str, group_size: int = 64) -> lis
     targets = [
         name
         for name, module in decoder.named_modules()
-        if isinstance(module, nn.Linear) and (name == "lm_head" or name.endswith(PROJECTIONS))
+        if isinstance(module, nn.Linear)
+        and (name == "lm_head" or name.endswith(PROJECTIONS))
+        and not any(name == p or name.startswith(p + ".") for p in skip)
     ]
     offloaded = [n for n in targets if decoder.get_submodule(n).weight.device.type == "meta"]
     if offloaded:

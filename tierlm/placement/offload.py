@@ -107,7 +107,10 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        owner._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        if leaf in owner._buffers:  # packed int8 / int4 weights are buffers
+            owner._buffers[leaf] = t
+        else:
+            owner._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
 def populate(libc, tensors) -> None:

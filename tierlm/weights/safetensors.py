@@ -135,6 +135,9 @@ _NP_VIEWS = {
     "F32": ("float32", torch.float32),
     "F16": ("float16", torch.float16),
     "BF16": ("int16", torch.bfloat16),
+    "I8": ("int8", torch.int8),
+    "U8": ("uint8", torch.uint8),
+    "I32": ("int32", torch.int32),
 }
 
 

@@ -1,0 +1,204 @@
+"""Offloaded units that stream packed int8 / int4 weights instead of float ones.
+
+Each projection of an offloaded unit is quantized once, layer by layer, from its float source. For the
+"cpu" tier the packed tensors stay in (pinned) CPU RAM. For the "disk" tier they are written once to a
+folder beside the float offload folders, one safetensors file per unit, atomically (temporary folder,
+manifest last, rename), reused while the checkpoint, dtype, mode, group size and packing device match,
+and memory-mapped from there, so the streamed bytes are the packed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierlm.placement.offload import Unit, _assign
+from tierlm.quant import PROJECTIONS, Int4Linear, Int8Linear, check_int4_shape
+from tierlm.weights.safetensors import header
+
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I8": torch.int8}
+DTYPES |= {"U8": torch.uint8, "I32": torch.int32}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+ALIGN = 64
+
+
+def _targets(module: nn.Module, unit_name: str) -> list[str]:
+    """Names, relative to the unit, of the linears that quantize (projections and the LM head)."""
+    out = []
+    for rel, child in module.named_modules():
+        full = f"{unit_name}.{rel}" if rel else unit_name
+        if isinstance(child, nn.Linear) and (full == "lm_head" or full.endswith(PROJECTIONS)):
+            out.append(rel)
+    return out
+
+
+def _join(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+def _quantize_linear(linear: nn.Linear, weight, bias, mode, group_size, dtype, device):
+    """A quantized module for a float weight source, packed for `device` (ValueError if int4 cannot)."""
+    tmp = nn.Linear(linear.in_features, linear.out_features, bias=bias is not None, device="meta")
+    tmp.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+    if bias is not None:
+        tmp.bias = nn.Parameter(bias.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+    if mode == "int8":
+        return Int8Linear.from_linear(tmp, dtype)
+    return Int4Linear.from_linear(tmp, group_size, dtype)
+
+
+def _shell(linear: nn.Linear, tensors: dict[str, torch.Tensor], rel: str, mode: str, group_size: int):
+    """The quantized module for tensors already packed (read back from a quantized offload folder)."""
+    bias = tensors.get(_join(rel, "bias"))
+    if mode == "int8":
+        return Int8Linear(tensors[_join(rel, "weight_int8")], tensors[_join(rel, "scales")], bias)
+    return Int4Linear(
+        tensors[_join(rel, "weight_int4")],
+        tensors[_join(rel, "scales_and_zeros")],
+        linear.in_features,
+        linear.out_features,
+        group_size,
+        bias,
+    )
+
+
+def _swap(decoder: nn.Module, full: str, new: nn.Module) -> None:
+    parent_name, _, child = full.rpartition(".")
+    setattr(decoder.get_submodule(parent_name) if parent_name else decoder, child, new)
+
+
+def _tensors_of(module: nn.Module, rel: str) -> dict[str, torch.Tensor]:
+    named = [*module.named_buffers(), *module.named_parameters()]
+    return {_join(rel, n): t.detach() for n, t in named}
+
+
+def write_aligned(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file whose every tensor starts at a multiple of ALIGN bytes in the file.
+
+    The int8 / int4 CPU kernels crash on weights that are not 64-byte aligned, and a memory-mapped tensor
+    is only as aligned as its file offset. Alignment comes from padding the header with spaces and from
+    "~pad" byte tensors between real ones, so the file stays valid safetensors (no holes).
+    """
+    entries, layout, offset = {}, [], 0
+    for i, (name, t) in enumerate(tensors.items()):
+        gap = -offset % ALIGN
+        if gap:
+            entries[f"~pad.{i}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            layout.append(bytes(gap))
+            offset += gap
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        layout.append(t)
+        offset += nbytes
+    blob = json.dumps(entries).encode()
+    blob += b" " * (-(8 + len(blob)) % ALIGN)  # the data starts on an ALIGN boundary
+    with open(file, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for part in layout:
+            f.write(part if isinstance(part, bytes) else part.view(torch.uint8).numpy().data)
+
+
+def _mmap_all(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a packed unit file, as views of ONE copy-on-write mapping of the whole file (the
+    kernels' over-read past a weight's end then lands in the file's tail padding, never off a mapping)."""
+    import numpy as np
+
+    start, head = header(file)
+    whole = torch.from_numpy(np.memmap(file, dtype=np.uint8, mode="c"))
+    out = {}
+    for name, info in head.items():
+        if name == "__metadata__" or name.startswith("~pad."):
+            continue
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        out[name] = whole[start + begin : start + end].view(dtype).view(info["shape"])
+    return out
+
+
+def quantize_units(
+    decoder: nn.Module,
+    units: list[Unit],
+    mode: str,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    folder: Path,
+    identity: dict,
+) -> list[Unit]:
+    """Units whose projections are quantized modules fed from packed sources (see the module docstring).
+
+    `folder`: where the packed disk tier lives (written here when missing or stale); `identity`: what it
+    must match (checkpoint key, dtype). Linears the int4 kernel cannot take stay float, as when resident.
+    """
+    want = {**identity, "mode": mode, "group_size": group_size, "packed_for": device.type}
+    want["units"] = [u.name for u in units if u.tier == "disk"]
+    manifest = folder / "manifest.json"
+    reuse = manifest.is_file() and json.loads(manifest.read_text()) == want
+    tmp = _fresh_tmp(folder) if want["units"] and not reuse else None
+    out = []
+    for unit in units:
+        module = decoder.get_submodule(unit.name)
+        sources = dict(unit.sources)
+        from_folder = unit.tier == "disk" and reuse
+        stored = _mmap_all(folder / f"{unit.name}.safetensors") if from_folder else {}
+        packed: dict[str, torch.Tensor] = {}
+        for rel in _targets(module, unit.name):
+            linear = module.get_submodule(rel)
+            try:
+                if mode == "int4":  # the same shapes fail every time: those linears stay float
+                    check_int4_shape(linear.out_features, linear.in_features, group_size, device)
+                if from_folder:
+                    new = _shell(linear, stored, rel, mode, group_size)
+                else:
+                    weight, bias = sources[_join(rel, "weight")], sources.get(_join(rel, "bias"))
+                    new = _quantize_linear(linear, weight, bias, mode, group_size, dtype, device)
+            except ValueError:
+                continue
+            for name in (_join(rel, "weight"), _join(rel, "bias")):
+                sources.pop(name, None)
+            _swap(decoder, _join(unit.name, rel) if rel else unit.name, new)
+            packed.update(_tensors_of(new, rel))
+        if tmp is not None and unit.tier == "disk":  # write, then stream the packed bytes from the file
+            file = tmp / f"{unit.name}.safetensors"
+            write_aligned(file, {k: t.cpu().contiguous() for k, t in packed.items()})
+            packed = _mmap_all(file)  # the mapping outlives the folder's rename
+        if unit.tier == "cpu":
+            pin = device.type == "cuda"
+            packed = {k: (t.cpu().pin_memory() if pin else t.cpu()) for k, t in packed.items()}
+        sources.update(packed)
+        _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
+        out.append(Unit(unit.name, unit.tier, sources))
+    if tmp is not None:
+        _commit(tmp, folder, want)
+    return out
+
+
+def _fresh_tmp(folder: Path) -> Path:
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(
+            f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
+        ) from None
+    return tmp
+
+
+def _commit(tmp: Path, folder: Path, want: dict) -> None:
+    (tmp / "manifest.json").write_text(json.dumps(want))  # written last: a folder without it is never trusted
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
