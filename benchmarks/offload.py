@@ -26,106 +26,55 @@ import argparse
 import gc
 import json
 import os
-import shutil
-import struct
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runpy (`tierlm bench`) does not add it
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF and loading progress bars
 
-from common import (  # noqa: E402
-    MB,
-    default_model_file,
-    fmt,
-    machine_load,
-    median,
-    print_table,
-    spread,
-    status,
-    timed,
-    write_json,
+from common import MB, fmt, machine_load, median, print_table, spread, write_json  # noqa: E402
+from offload_disk import (  # noqa: E402
+    RANDOM_LLAMA,
+    disk_read_speed,
+    drop_page_cache,
+    folder_bytes,
+    fp32_checkpoint,
+    random_llama,
+    safetensors_sizes,
+    step,
+    tier_bytes,
+)
+from offload_engines import (  # noqa: E402
+    COLD_EVERY,
+    COLD_START,
+    CPU_BUDGET,
+    CPU_BUDGET_BYTES,
+    HF,
+    RESIDENT,
+    TIERLM,
+    AccelerateEngine,
+    ResultA,
+    Sample,
+    TierlmEngine,
+    child_accelerate,
+    child_tierlm,
+    part_a_maps,
+    quiet_transformers,
+    summarize_a,
 )
 
 PROMPT = (
     "The sea was calm that morning, and the fishermen pushed their boats out before sunrise, "
     "talking quietly about the weather, the price of fish and the long winter ahead."
 )
-TIERLM, HF = "tierlm", "accelerate"
 RESULT = "RESULT "  # a child's last stdout line: this prefix, then JSON
-CPU_BUDGET = "400MB"
-CPU_BUDGET_BYTES = 400 * 10**6
 OVERHEAD_BYTES = 300 * 10**6  # allowance for Python, torch, activations on top of the budget and KV cache
-RANDOM_LLAMA = dict(  # ~745M parameters, 1.49 GB in bf16 (16 layers would be 1.77 GB)
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=13,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 COLD_PROMPT = [1, 415, 2936, 9060, 285, 1142, 461, 10164, 754, 272, 17898, 3914, 28723, 13, 1014, 907]
-COLD_START, COLD_EVERY, RESIDENT = "cold start", "cold every token", "all in RAM (reference)"
 ACCELERATE_TIMEOUT_S = 180
 PART_A_SHARE = 0.6  # of --time-budget, when Part B runs too
-
-
-# ================================================================ shared helpers
-
-
-T0 = time.perf_counter()
-
-
-def step(message: str) -> None:
-    """Progress on stderr, stamped with the seconds since the start."""
-    status(f"[{time.perf_counter() - T0:4.0f} s] {message}")
-
-
-def quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def safetensors_sizes(folder: Path) -> dict[str, int]:
-    """{tensor name: bytes} read from the safetensors headers of a checkpoint folder (no tensor data)."""
-    sizes = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                start, end = info["data_offsets"]
-                sizes[name] = end - start
-    return sizes
-
-
-def tier_bytes(device_map: dict[str, Any], sizes: dict[str, int]) -> dict[str, int]:
-    """Bytes per device of a module map, from the checkpoint's tensor sizes (most specific key wins)."""
-    totals: dict[str, int] = {}
-    for name, size in sizes.items():
-        key = name
-        while key not in device_map and key:
-            key = key.rpartition(".")[0]
-        device = str(device_map.get(key, device_map.get("", "?")))
-        totals[device] = totals.get(device, 0) + size
-    return totals
 
 
 def leading_matches(a: list[int], b: list[int]) -> int:
@@ -135,247 +84,7 @@ def leading_matches(a: list[int], b: list[int]) -> int:
     return same
 
 
-def read_bytes() -> int:
-    """Bytes this process (all threads) made the block layer read: the disk, not the page cache."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
-class StepClock:
-    """A forward pre-hook on the top module: the time and disk bytes read at the start of each forward."""
-
-    def __init__(self, disk_reads: bool = True) -> None:
-        self.disk_reads = disk_reads
-        self.times: list[float] = []
-        self.reads: list[int] = []
-
-    def reset(self) -> None:
-        self.times.clear()
-        self.reads.clear()
-
-    def __call__(self, _module, _args) -> None:
-        self.times.append(time.perf_counter())
-        self.reads.append(read_bytes() if self.disk_reads else 0)
-
-    def prefill_s(self) -> float:
-        return self.times[1] - self.times[0] if len(self.times) > 1 else float("nan")
-
-    def prefill_reads(self) -> int:
-        return self.reads[1] - self.reads[0] if len(self.reads) > 1 else 0
-
-    def decode(self, end_time: float, end_reads: int) -> tuple[float, float]:
-        """(decode tok/s, disk bytes read per decode step) from the second forward on."""
-        steps = len(self.times) - 1
-        if steps < 1:
-            return float("nan"), float("nan")
-        return steps / (end_time - self.times[1]), (end_reads - self.reads[1]) / steps
-
-
-def drop_page_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 # ================================================================ Part A: page cache warm
-
-
-def fp32_checkpoint(work_dir: Path) -> Path:
-    """An fp32 safetensors folder of the default model (weights and tokenizer), made once from the GGUF."""
-    folder = work_dir / "smollm2-135m-instruct-fp32"
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
-        return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    file = default_model_file()
-    step(f"writing an fp32 safetensors copy of {file.name} to {folder} (once) ...")
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    # The weights are plain fp32 after dequantization, but transformers still tags the model as
-    # GGUF-quantized and refuses to save it; drop the tag.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = work_dir / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
-    del model
-    gc.collect()
-    return folder
-
-
-def part_a_maps(num_layers: int, device: str) -> dict[str, dict[str, Any]]:
-    """The maps of Part A, with explicit module names both engines know (model.rotary_emb included)."""
-    half = num_layers // 2
-    last = f"{half}-{num_layers - 1}"
-
-    def full(embed, early, late, norm, head):
-        layers = {f"model.layers.{i}": (early if i < half else late) for i in range(num_layers)}
-        return {
-            "model.embed_tokens": embed,
-            **layers,
-            "model.norm": norm,
-            "model.rotary_emb": "cpu",
-            "lm_head": head,
-        }
-
-    if device == "cuda":
-        gpu = 0
-        maps = {
-            "all on GPU": full(gpu, gpu, gpu, gpu, gpu),
-            f"layers {last} + norm on cpu": full(gpu, gpu, "cpu", "cpu", gpu),
-            f"layers {last} + norm on disk": full(gpu, gpu, "disk", "disk", gpu),
-            "all but embed/lm_head on disk": full(gpu, "disk", "disk", "disk", gpu),
-        }
-        for m in maps.values():
-            m["model.rotary_emb"] = gpu
-        return maps
-    return {
-        "all in RAM": full("cpu", "cpu", "cpu", "cpu", "cpu"),
-        f"layers {last} + norm on disk": full("cpu", "cpu", "disk", "disk", "cpu"),
-        "all but embed/lm_head on disk": full("cpu", "disk", "disk", "disk", "cpu"),
-    }
-
-
-@dataclass
-class Sample:
-    """One timed run of one engine: a one-token call (prefill) and a full call."""
-
-    prefill_s: float
-    total_s: float
-    tokens: list[int]
-    in_call_tok_s: float  # from the second forward of the full call to its end (a forward pre-hook)
-    loop_tok_s: float | None = None  # tierlm's own decode-loop timer
-
-
-class Engine:
-    """One model under one map: `sample` makes a one-token call, then a full one, both timed."""
-
-    def __init__(self, top_module) -> None:
-        self.clock = StepClock(disk_reads=False)
-        top_module.register_forward_pre_hook(self.clock)
-
-    def generate(self, ids, n: int) -> tuple[list[int], float | None]:
-        raise NotImplementedError
-
-    def warm(self, ids) -> None:
-        self.generate(ids, 4)
-
-    def sample(self, ids, n: int) -> Sample:
-        prefill_s, _ = timed(lambda: self.generate(ids, 1))
-        self.clock.reset()
-        start = time.perf_counter()
-        tokens, loop = self.generate(ids, n)
-        end = time.perf_counter()
-        return Sample(prefill_s, end - start, tokens, self.clock.decode(end, 0)[0], loop)
-
-
-class TierlmEngine(Engine):
-    def __init__(self, path: Path, device_map: dict, work_dir: Path) -> None:
-        import tierlm
-
-        self.load_s, self.model = timed(
-            lambda: tierlm.load(
-                path, dtype="float32", device_map=device_map, offload_folder=work_dir / "tierlm-offload"
-            )
-        )
-        super().__init__(self.model.decoder)
-
-    def generate(self, ids, n: int) -> tuple[list[int], float | None]:
-        r = self.model.generate(ids, max_new_tokens=n, min_new_tokens=n)
-        return r.token_ids[0], r.stats.decode_tokens_per_s
-
-    def streamed_bytes(self) -> dict[str, int]:
-        s = self.model.streamer
-        out: dict[str, int] = {}
-        for unit in s.units if s is not None else ():
-            out[unit.tier] = out.get(unit.tier, 0) + unit.nbytes
-        return out
-
-    def prefetch_note(self) -> str:
-        s = self.model.streamer
-        return f"{s.prefetched}/{s.fetches}" if s is not None else "-"
-
-
-class AccelerateEngine(Engine):
-    def __init__(self, path: Path, device_map: dict, work_dir: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
-        self.device = torch.device("cuda", int(accelerators[0])) if accelerators else torch.device("cpu")
-        self.load_s, model = timed(
-            lambda: AutoModelForCausalLM.from_pretrained(
-                path,
-                device_map=device_map,
-                offload_folder=str(work_dir / "accelerate-offload"),
-                dtype=torch.float32,
-            )
-        )
-        self.model = model.eval()
-        self.pad_id = model.config.eos_token_id
-        if isinstance(self.pad_id, list):
-            self.pad_id = self.pad_id[0]
-        super().__init__(self.model)
-
-    def generate(self, ids, n: int) -> tuple[list[int], float | None]:
-        torch = self.torch
-        ids = ids.to(self.device)
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=self.pad_id,
-            )
-        return out[0, ids.shape[1] :].tolist(), None  # .tolist() waits for the device
-
-
-@dataclass
-class ResultA:
-    map_name: str
-    engine: str
-    load_s: float
-    prefill_s: float
-    decode_tok_s: float
-    decode_spread: float
-    runs_tok_s: list[float]
-    tokens: list[int]
-    tokens_stable: bool  # every timed run gave the same tokens
-    in_call_tok_s: float
-    loop_tok_s: float | None = None
-    streamed_mb: dict[str, float] = field(default_factory=dict)
-    prefetched: str = "-"
-
-
-def summarize_a(map_name: str, engine: str, load_s: float, samples: list[Sample], n: int) -> ResultA:
-    prefill = median([s.prefill_s for s in samples])
-    rates = [(n - 1) / (s.total_s - prefill) if s.total_s > prefill else float("nan") for s in samples]
-    loops = [s.loop_tok_s for s in samples if s.loop_tok_s is not None]
-    return ResultA(
-        map_name,
-        engine,
-        load_s,
-        prefill,
-        median(rates),
-        spread(rates),
-        rates,
-        samples[-1].tokens,
-        all(s.tokens == samples[-1].tokens for s in samples),
-        median([s.in_call_tok_s for s in samples]),
-        median(loops) if loops else None,
-    )
 
 
 def run_part_a(args, deadline: float) -> dict:
@@ -508,223 +217,6 @@ def print_part_a(results: list[ResultA], map_names: list[str], rounds: int) -> b
 
 
 # ================================================================ Part B: cold disk
-
-
-def random_llama(work_dir: Path) -> Path:
-    """A random-weight Llama (~1.5 GB bf16) written once with transformers; no tokenizer."""
-    folder = work_dir / "random-llama-1.5gb-bf16"
-    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
-        return folder
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    step(f"writing a random bf16 Llama to {folder} (once) ...")
-    config = LlamaConfig(**RANDOM_LLAMA)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.config.dtype = torch.bfloat16
-    work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = work_dir / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size="10GB")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
-    del model
-    gc.collect()
-    return folder
-
-
-def disk_read_speed(files: list[Path], reps: int) -> list[float]:
-    """GB/s of sequential 64 MiB reads of the files, page cache dropped before each repetition."""
-    buf = bytearray(64 << 20)
-    speeds = []
-    for _ in range(reps):
-        drop_page_cache()
-        total, start = 0, time.perf_counter()
-        for file in files:
-            with open(file, "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    total += n
-        speeds.append(total / (time.perf_counter() - start) / 1e9)
-    return speeds
-
-
-class RssSampler(threading.Thread):
-    """Peak RssAnon, RssFile and their sum from /proc/self/status, sampled every `interval` seconds."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        super().__init__(daemon=True)
-        self.interval = interval
-        self.peak = {"RssAnon": 0, "RssFile": 0, "sum": 0}
-        self.samples = 0
-        self._done = threading.Event()
-
-    @staticmethod
-    def read() -> dict[str, int]:
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("RssAnon", "RssFile"):
-                    out[key] = int(rest.split()[0]) * 1024
-        return out
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            now = self.read()
-            now["sum"] = now["RssAnon"] + now["RssFile"]
-            for k, v in now.items():
-                self.peak[k] = max(self.peak[k], v)
-            self.samples += 1
-            self._done.wait(self.interval)
-
-    def stop(self) -> dict[str, int]:
-        self._done.set()
-        self.join()
-        return self.peak
-
-
-def install_evictor(model) -> int:
-    """After each disk unit's forward (after tierlm's own release hook), drop its file pages from the page
-    cache, so the next token reads them from the disk again. Returns how many units it watches."""
-    fds: dict[Path, int] = {}
-    count = 0
-    for unit in model.streamer.units:
-        if unit.tier != "disk":
-            continue
-        ranges = list(unit.ranges)
-        for file, _, _ in ranges:
-            if file not in fds:
-                fds[file] = os.open(file, os.O_RDONLY)
-
-        def evict(_module, _args, _output, ranges=ranges) -> None:
-            for file, offset, length in ranges:
-                os.posix_fadvise(fds[file], offset, length, os.POSIX_FADV_DONTNEED)
-
-        model.decoder.get_submodule(unit.name).register_forward_hook(evict)
-        count += 1
-    return count
-
-
-def child_tierlm(spec: dict) -> dict:
-    import torch
-
-    import tierlm
-    from tierlm.cache import bucket_length
-    from tierlm.placement.placer import kv_bytes_per_token
-
-    resident = spec["mode"] == RESIDENT
-    base = RssSampler.read()
-    sampler = RssSampler()
-    sampler.start()
-    reads0 = read_bytes()
-    placement = {} if resident else {"device_map": "auto", "max_memory": {"cpu": CPU_BUDGET}}
-    load_s, model = timed(
-        lambda: tierlm.load(
-            spec["path"], dtype="bfloat16", offload_folder=spec["offload_folder"], **placement
-        )
-    )
-    load_reads = read_bytes() - reads0
-    watched = install_evictor(model) if spec["mode"] == COLD_EVERY else 0
-    clock = StepClock()
-    model.decoder.register_forward_pre_hook(clock)
-    ids = torch.tensor([spec["prompt"]])
-    n = spec["new_tokens"]
-    total_s, r = timed(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n))
-    end_time, end_reads = time.perf_counter(), read_bytes()
-    peak = sampler.stop()
-    tok_s, step_reads = clock.decode(end_time, end_reads)
-    cfg = model.config
-    cache_len = bucket_length(ids.shape[1] + n, cfg.max_position_embeddings)
-    streamer = model.streamer
-    units = streamer.units if streamer is not None else []
-    return {
-        "load_s": load_s,
-        "load_read_bytes": load_reads,
-        "total_s": total_s,
-        "prefill_s": clock.prefill_s(),
-        "prefill_read_bytes": clock.prefill_reads(),
-        "decode_tok_s": tok_s,
-        "loop_tok_s": r.stats.decode_tokens_per_s,
-        "decode_read_bytes_per_token": step_reads,
-        "tokens": r.token_ids[0],
-        "device_map": model.device_map,
-        "streamer_disk_bytes": sum(u.nbytes for u in units if u.tier == "disk"),
-        "fetches": streamer.fetches if streamer is not None else 0,
-        "prefetched": streamer.prefetched if streamer is not None else 0,
-        "evicted_units": watched,
-        "kv_bytes": kv_bytes_per_token(cfg, model.dtype) * cache_len,
-        "cache_len": cache_len,
-        "baseline": base,
-        "peak": peak,
-        "rss_samples": sampler.samples,
-    }
-
-
-def child_accelerate(spec: dict) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    quiet_transformers()
-    base = RssSampler.read()
-    sampler = RssSampler()
-    sampler.start()
-    reads0 = read_bytes()
-    load_s, model = timed(
-        lambda: AutoModelForCausalLM.from_pretrained(
-            spec["path"],
-            device_map="auto",
-            max_memory={"cpu": CPU_BUDGET},
-            offload_folder=spec["offload_folder"],
-            dtype=torch.bfloat16,
-        )
-    )
-    load_reads = read_bytes() - reads0
-    clock = StepClock()
-    model.register_forward_pre_hook(clock)
-    ids = torch.tensor([spec["prompt"]])
-    n = spec["new_tokens"]
-    with torch.inference_mode():
-        total_s, out = timed(
-            lambda: model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        )
-    end_time, end_reads = time.perf_counter(), read_bytes()
-    peak = sampler.stop()
-    tok_s, step_reads = clock.decode(end_time, end_reads)
-    return {
-        "load_s": load_s,
-        "load_read_bytes": load_reads,
-        "total_s": total_s,
-        "prefill_s": clock.prefill_s(),
-        "prefill_read_bytes": clock.prefill_reads(),
-        "decode_tok_s": tok_s,
-        "decode_read_bytes_per_token": step_reads,
-        "tokens": out[0, ids.shape[1] :].tolist(),
-        "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
-        "baseline": base,
-        "peak": peak,
-        "rss_samples": sampler.samples,
-    }
 
 
 def run_child(engine: str, spec: dict, timeout: float | None = None, drop: bool = True) -> dict | str:
