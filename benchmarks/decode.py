@@ -539,7 +539,8 @@ def run(args, cache_dir: str) -> None:
         print(warning)
     if variants:
         kind = "given, so compiles may be warm" if args.inductor_cache else "fresh, so compiles are cold"
-        print(f"compiled (bf16): {', '.join(v.spec for v in variants)}; mode: {args.mode or 'default'}")
+        mode = args.mode or "tierlm's default"
+        print(f"compiled (bf16): {', '.join(v.spec for v in variants)}; mode: {mode}")
         print(f"inductor cache: {cache_dir} ({kind}); one-off inductor warm-up: {warm_inductor():.1f} s")
     if not args.skip_transformers:
         print(f"tokenizer check: {check_tokenizers(model_file, tokenizer, one)}")
