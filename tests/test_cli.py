@@ -94,6 +94,21 @@ def test_plan_shows_tiers_streaming_and_decision():
     assert "compile: no (" in out and "offloaded to disk" in out
 
 
+def test_plan_counts_quantized_weights_at_their_packed_size():
+    from tierlm.plan import plan
+
+    *_, float_bytes, _, _ = plan(dtype="bfloat16")
+    *_, int4_bytes, _, quant = plan(dtype="bfloat16", quantize="int4")
+    assert quant == ("int4", 32)  # the default GGUF is Q4_1: its 32-wide blocks carry over
+    layer = "model.layers.0"
+    # q/k/v/o/gate/up/down at 4.5 bits per weight (codes + bf16 scale and zero per 32) plus the float norms
+    assert 0.25 < int4_bytes[layer] / float_bytes[layer] < 0.32
+    assert int4_bytes["lm_head"] > 0  # a tied LM head gets its own packed copy
+    proc = tierlm("plan", "--quantize", "int8", "--device-map", "auto", "--max-memory", "cpu=250MB")
+    assert proc.returncode == 0, proc.stderr
+    assert "int8 weights" in proc.stdout and "nothing (all weights resident)" in proc.stdout
+
+
 def test_chat_keeps_history_and_exits_on_eof():
     import tierlm as lib
 

@@ -247,7 +247,6 @@ def cmd_plan(args) -> int:
 
     kwargs = placement_kwargs(args)
     kwargs.pop("offload_folder", None)
-    kwargs.pop("quantize", None)
     plan = describe_plan(
         args.model, dtype=args.dtype, cache=args.cache, compile=args.compile, device=args.device, **kwargs
     )

@@ -229,7 +229,8 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     checkpoint, target, tokenizer = _open(path, dtype, device)
-    names, sizes, tied = parameter_table(checkpoint.config, target)
+    quant = (quantize, group_size or _int4_group(path)) if quantize is not None else None
+    names, sizes, tied = parameter_table(checkpoint.config, target, quant)
     placement = resolve(
         names,
         sizes,
@@ -243,7 +244,6 @@ def load(
     devices = {n: _param_device(placement, n) for n in names}
     decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
-    quant = (quantize, group_size or _int4_group(path)) if quantize is not None else None
     if quant is not None:  # resident linears now; offloaded ones as their units are built
         _quantize(decoder, placement, *quant)
     streamer = _streamer(decoder, checkpoint, placement, target, folder, tied, quant)
@@ -276,7 +276,11 @@ def _int4_group(path: Path) -> int:
     """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
     if path.suffix != ".gguf":
         return 64
-    types = [t for n, t in gguf_cache.source_tensor_types(path).items() if n.endswith("proj.weight")]
+    recorded = gguf_cache.source_tensor_types(path)  # when the dequantized cache exists
+    if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
+        gguf = GGUFCheckpoint(path)
+        recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
+    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
     return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
 
 

@@ -27,6 +27,8 @@ def plan(
     max_memory=None,
     cache: str = "static",
     compile: bool = False,
+    quantize: str | None = None,
+    group_size: int | None = None,
 ):
     """(config, dtype, placement, sizes per module, compile decision) for a model, without its weights."""
     path = Path(path) if path is not None else default_model_path()
@@ -40,21 +42,30 @@ def plan(
         checkpoint = open_checkpoint(path)
         target = resolve_dtype(dtype, checkpoint, dev)
     cfg = checkpoint.config
-    names, sizes, tied = parameter_table(cfg, target)
+    quant = None
+    if quantize is not None:
+        from tierlm.model import _int4_group
+
+        quant = (quantize, group_size or _int4_group(path))
+    names, sizes, tied = parameter_table(cfg, target, quant)
     placement = resolve(names, sizes, device_map, max_memory, device, tied, kv_bytes_per_token(cfg, target))
     module_bytes = {
         m: sum(b for n, b in sizes.items() if n == m or n.startswith(m + ".")) for m in placement.module_map
     }
     config = GenerationConfig(cache_implementation=cache, compile_config=CompileConfig() if compile else None)
     decision = decide(placement.module_map, cache, config)
-    return cfg, target, placement, module_bytes, decision
+    return cfg, target, placement, module_bytes, decision, quant
 
 
 def describe_plan(path=None, **kwargs) -> str:
     """The plan as the text `tierlm plan` prints."""
-    cfg, dtype, placement, module_bytes, decision = plan(path, **kwargs)
+    cfg, dtype, placement, module_bytes, decision, quant = plan(path, **kwargs)
+    weights = (
+        f", {quant[0]} weights" + (f" (group {quant[1]})" if quant[0] == "int4" else "") if quant else ""
+    )
     lines = [
-        f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, {str(dtype)[6:]})",
+        f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, "
+        f"{str(dtype)[6:]}{weights})",
         f"execution device: {placement.device}",
         "",
         f"{'module':<28} {'tier':<8} {'bytes':>12}",
@@ -62,7 +73,7 @@ def describe_plan(path=None, **kwargs) -> str:
     for names, tier, size in _runs(placement, module_bytes):
         shown = (
             "(tied to model.embed_tokens)"
-            if names == ["lm_head"] and cfg.tie_word_embeddings
+            if names == ["lm_head"] and cfg.tie_word_embeddings and not quant
             else format_bytes(size)
         )
         lines.append(f"{format_modules(names):<28} {tier:<8} {shown:>12}")

@@ -112,8 +112,12 @@ def resolve(
     )
 
 
-def parameter_table(cfg: ModelConfig, dtype: torch.dtype):
-    """All parameter names (tied ones too), their sizes in `dtype`, and the tied pairs."""
+def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, int] | None = None):
+    """All parameter names (tied ones too), their sizes in `dtype`, and the tied pairs.
+
+    quantize (mode, group size): projections and the LM head count at their packed size (a tied LM head
+    then has its own packed copy).
+    """
     with torch.device("meta"):
         probe = Decoder(cfg)
     params = dict(probe.named_parameters(remove_duplicate=False))
@@ -121,7 +125,32 @@ def parameter_table(cfg: ModelConfig, dtype: torch.dtype):
     tied = [("model.embed_tokens.weight", "lm_head.weight")] if cfg.tie_word_embeddings else []
     for _, follower in tied:
         sizes[follower] = 0
+    if quantize is not None:
+        for n, p in params.items():
+            packed = _packed_bytes(n, tuple(p.shape), *quantize, dtype)
+            if packed is not None:
+                sizes[n] = packed
     return list(params), sizes, tied
+
+
+def _packed_bytes(name: str, shape: tuple[int, ...], mode: str, group: int, dtype: torch.dtype) -> int | None:
+    """Bytes of a quantized projection weight (codes plus scales), None if it stays float."""
+    from tierlm.quant import PROJECTIONS, check_int4_shape
+
+    if not name.endswith(".weight") or not (
+        name == "lm_head.weight" or name.removesuffix(".weight").endswith(PROJECTIONS)
+    ):
+        return None
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"quantize must be one of int8, int4, got {mode!r}")
+    n, k = shape
+    if mode == "int8":
+        return n * k + n * dtype.itemsize
+    try:
+        check_int4_shape(n, k, group, torch.device("cpu"))
+    except ValueError:
+        return None
+    return n * k // 2 + (k // group) * n * 2 * dtype.itemsize
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
