@@ -234,15 +234,36 @@ class RssSampler(threading.Thread):
         return self.peak
 
 
+def memory_maps() -> list[tuple[int, int, int, Path]]:
+    """(start, end, file offset, path) of this process's file-backed mappings (/proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, int(parts[2], 16), Path(parts[5])))
+    return out
+
+
+def file_range(t, maps) -> tuple[Path, int, int]:
+    """(file, offset, length) of the bytes behind a memory-mapped tensor."""
+    ptr, length = t.data_ptr(), t.numel() * t.element_size()
+    for start, end, offset, path in maps:
+        if start <= ptr < end:
+            return path, offset + ptr - start, length
+    raise ValueError("tensor is not memory-mapped from a file")
+
+
 def install_evictor(model) -> int:
     """After each disk unit's forward (after tierlm's own release hook), drop its file pages from the page
     cache, so the next token reads them from the disk again. Returns how many units it watches."""
     fds: dict[Path, int] = {}
     count = 0
+    maps = memory_maps()
     for unit in model.streamer.units:
         if unit.tier != "disk":
             continue
-        ranges = list(unit.ranges)
+        ranges = [file_range(t, maps) for t in unit.sources.values()]
         for file, _, _ in ranges:
             if file not in fds:
                 fds[file] = os.open(file, os.O_RDONLY)

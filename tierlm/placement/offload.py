@@ -47,6 +47,7 @@ class Streamer:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.fetches = 0  # how many unit fetches ran (tests and stats read it)
         self.prefetched = 0  # how many of them were already under way when needed
+        self.mapped: set[int] = set()  # disk units whose pages are faulted in and not dropped since
         self._libc = ctypes.CDLL(None, use_errno=True)
         for i, unit in enumerate(units):
             module = decoder.get_submodule(unit.name)
@@ -57,8 +58,12 @@ class Streamer:
     def _load(self, i: int):
         """Bring unit i's weights to the execution device (runs on the prefetch thread)."""
         unit = self.units[i]
-        if unit.tier == "disk":
+        if unit.tier == "disk" and i not in self.mapped:
+            # Fault the pages in once; they stay mapped unless dropped after use (a RAM budget) or
+            # reclaimed by the kernel (then the forward faults them in itself). Re-populating mapped
+            # pages every token would only walk page tables on a core the forward needs.
             populate(self._libc, unit.sources.values())
+            self.mapped.add(i)
         if self.device.type == "cpu" and unit.tier == "disk":
             return unit.sources, None  # memory-mapped weights are used in place
         if self.stream is not None:
@@ -82,15 +87,18 @@ class Streamer:
             current.wait_event(event)
             for t in tensors.values():
                 t.record_stream(current)  # allocated on the side stream, used (and freed) on this one
-        _assign(module, tensors)
+        if tensors is not self.units[i].sources:  # memory-mapped weights used in place are already there
+            _assign(module, tensors)
         nxt = (i + 1) % len(self.units)
         if nxt not in self.pending:
             self.pending[nxt] = self.pool.submit(self._load, nxt)
 
     def _release(self, i: int, module: nn.Module, _args, _output) -> None:
         unit = self.units[i]
-        _assign(module, unit.sources)  # the device copies go; the sources stay
+        if not (unit.tier == "disk" and self.device.type == "cpu"):
+            _assign(module, unit.sources)  # the device copies go; the sources stay
         if unit.tier == "disk" and self.drop_disk_pages:
+            self.mapped.discard(i)
             for t in unit.sources.values():
                 self._drop_pages(t)
 
