@@ -246,3 +246,24 @@ def test_quantized_linears_trace_as_one_graph(make):
     explanation = torch._dynamo.explain(module)(x)
     assert explanation.graph_count == 1
     assert explanation.graph_break_count == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cuda_quantized_linear_matches_its_dequantized_reference(mode):
+    """The CUDA paths (tinygemm int4 packing, int8 via a fused cast) against the plain-torch reference."""
+    linear = random_linear(512, 256, bias=True).cuda()
+    dtype = torch.bfloat16
+    q = (
+        Int8Linear.from_linear(linear, dtype)
+        if mode == "int8"
+        else Int4Linear.from_linear(linear, 128, dtype)
+    )
+    x = random_input(512, dtype).cuda()
+    if mode == "int8":
+        reference_weight = q.dequantize()
+    else:
+        codes, scales_and_zeros = quantize_int4(linear.weight, 128, dtype)
+        reference_weight = dequantize_int4(codes, scales_and_zeros, 128)
+    assert_matches_reference(q(x).cpu(), x.float().cpu() @ reference_weight.cpu().T + q.bias.float().cpu())
