@@ -191,27 +191,44 @@ def ensure_offload_folder(checkpoint, names: list[str], dtype: torch.dtype, root
     from tierlm.weights.gguf_cache import write_safetensors
 
     folder = root / offload_key(checkpoint, names)
-    manifest = folder / "manifest.json"
     want = {"dtype": str(dtype), "tensors": sorted(names)}
-    if manifest.is_file() and json.loads(manifest.read_text()) == want:
+    if folder_matches(folder, want):
         return folder
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ValueError(
-            f"offload folder {root} is not writable ({e.strerror}); pass a writable offload_folder"
-        ) from None
+    tmp = fresh_tmp_folder(folder)
     shapes = {n: checkpoint.shape(n) for n in names}
     write_safetensors(
         tmp / "weights.safetensors", shapes, dtype, ((n, checkpoint.load(n).to(dtype)) for n in names)
     )
-    (tmp / "manifest.json").write_text(json.dumps(want))  # written last: a folder without it is never trusted
-    old = root / f".{folder.name}.old-{os.getpid()}"
+    commit_folder(tmp, folder, want)
+    return folder
+
+
+def folder_matches(folder: Path, want: dict) -> bool:
+    """Whether a folder written by commit_folder holds what `want` describes."""
+    manifest = folder / "manifest.json"
+    return manifest.is_file() and json.loads(manifest.read_text()) == want
+
+
+def fresh_tmp_folder(folder: Path) -> Path:
+    """An empty temporary folder beside `folder`, to fill and then commit_folder()."""
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(
+            f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
+        ) from None
+    return tmp
+
+
+def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
+    """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
+    without a manifest (an interrupted write) is never trusted."""
+    (tmp / "manifest.json").write_text(json.dumps(want))
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
     if folder.exists():
         os.rename(folder, old)
     os.rename(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
-    return folder

@@ -10,19 +10,17 @@ and memory-mapped from there, so the streamed bytes are the packed ones.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tierlm.placement.offload import Unit, _assign
+from tierlm.placement.placer import commit_folder, folder_matches, fresh_tmp_folder
 from tierlm.quant import PROJECTIONS, Int4Linear, Int8Linear, check_int4_shape
-from tierlm.weights.safetensors import header
+from tierlm.weights.safetensors import NP_VIEWS, header
 
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I8": torch.int8}
-DTYPES |= {"U8": torch.uint8, "I32": torch.int32}
+DTYPES = {code: dtype for code, (_, dtype) in NP_VIEWS.items()}  # safetensors code -> torch dtype
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 ALIGN = 64
 
@@ -108,8 +106,8 @@ def write_aligned(file: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _mmap_all(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a packed unit file, as views of ONE copy-on-write mapping of the whole file (the
-    kernels' over-read past a weight's end then lands in the file's tail padding, never off a mapping)."""
+    """Every tensor of a packed unit file, as views of one copy-on-write mapping of the whole file (so a
+    tensor is exactly as aligned as its file offset)."""
     import numpy as np
 
     start, head = header(file)
@@ -141,9 +139,8 @@ def quantize_units(
     """
     want = {**identity, "mode": mode, "group_size": group_size, "packed_for": device.type}
     want["units"] = [u.name for u in units if u.tier == "disk"]
-    manifest = folder / "manifest.json"
-    reuse = manifest.is_file() and json.loads(manifest.read_text()) == want
-    tmp = _fresh_tmp(folder) if want["units"] and not reuse else None
+    reuse = folder_matches(folder, want)
+    tmp = fresh_tmp_folder(folder) if want["units"] and not reuse else None
     out = []
     for unit in units:
         module = decoder.get_submodule(unit.name)
@@ -178,27 +175,5 @@ def quantize_units(
         _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
         out.append(Unit(unit.name, unit.tier, sources))
     if tmp is not None:
-        _commit(tmp, folder, want)
+        commit_folder(tmp, folder, want)
     return out
-
-
-def _fresh_tmp(folder: Path) -> Path:
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ValueError(
-            f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
-        ) from None
-    return tmp
-
-
-def _commit(tmp: Path, folder: Path, want: dict) -> None:
-    (tmp / "manifest.json").write_text(json.dumps(want))  # written last: a folder without it is never trusted
-    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-    if folder.exists():
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)

@@ -131,7 +131,7 @@ def _check_size(file: Path) -> None:
         )
 
 
-_NP_VIEWS = {
+NP_VIEWS = {
     "F32": ("float32", torch.float32),
     "F16": ("float16", torch.float16),
     "BF16": ("int16", torch.bfloat16),
@@ -161,7 +161,7 @@ def mmap_tensors(
     out = {}
     for name in names:
         info = head[name]
-        np_dtype, dtype = _NP_VIEWS[info["dtype"]]
+        np_dtype, dtype = NP_VIEWS[info["dtype"]]
         begin, end = info["data_offsets"]
         count = (end - begin) // np.dtype(np_dtype).itemsize
         arr = np.memmap(file, dtype=np_dtype, mode="c", offset=start + begin, shape=(count,))
