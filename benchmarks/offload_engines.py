@@ -200,6 +200,18 @@ def summarize_a(map_name: str, engine: str, load_s: float, samples: list[Sample]
 # ================================================================ Part B: children, one fresh process per run
 
 
+def timings(load_s: float, load_reads: int, total_s: float, clock, tok_s: float) -> dict:
+    """The measurements both Part B children report."""
+    return {
+        "load_s": load_s,
+        "load_read_bytes": load_reads,
+        "total_s": total_s,
+        "prefill_s": clock.prefill_s(),
+        "prefill_read_bytes": clock.prefill_reads(),
+        "decode_tok_s": tok_s,
+    }
+
+
 def child_tierlm(spec: dict) -> dict:
     import torch
 
@@ -233,12 +245,7 @@ def child_tierlm(spec: dict) -> dict:
     streamer = model.streamer
     units = streamer.units if streamer is not None else []
     return {
-        "load_s": load_s,
-        "load_read_bytes": load_reads,
-        "total_s": total_s,
-        "prefill_s": clock.prefill_s(),
-        "prefill_read_bytes": clock.prefill_reads(),
-        "decode_tok_s": tok_s,
+        **timings(load_s, load_reads, total_s, clock, tok_s),
         "loop_tok_s": r.stats.decode_tokens_per_s,
         "decode_read_bytes_per_token": step_reads,
         "tokens": r.token_ids[0],
@@ -293,12 +300,7 @@ def child_accelerate(spec: dict) -> dict:
     peak = sampler.stop()
     tok_s, step_reads = clock.decode(end_time, end_reads)
     return {
-        "load_s": load_s,
-        "load_read_bytes": load_reads,
-        "total_s": total_s,
-        "prefill_s": clock.prefill_s(),
-        "prefill_read_bytes": clock.prefill_reads(),
-        "decode_tok_s": tok_s,
+        **timings(load_s, load_reads, total_s, clock, tok_s),
         "decode_read_bytes_per_token": step_reads,
         "tokens": out[0, ids.shape[1] :].tolist(),
         "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
