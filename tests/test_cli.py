@@ -55,6 +55,14 @@ def test_generate_explain_prints_the_compile_decision():
     assert "compile: no (model.layers.29 is offloaded to disk)" in proc.stderr
 
 
+def test_compiling_shows_progress():
+    proc = tierlm("generate", "--compile-scope", "layer", "--max-new-tokens", "3", "--json", "Hello")
+    assert proc.returncode == 0, proc.stderr
+    assert "tierlm: compiling the decode step (scope layer, mode default" in proc.stderr
+    assert "tierlm: compiled in" in proc.stderr
+    assert json.loads(proc.stdout)["stats"]["compiled"] is True
+
+
 def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
     proc = tierlm("generate", "--model", str(tiny_checkpoints["llama"]), "Hello")
     assert proc.returncode != 0

@@ -97,6 +97,20 @@ def status(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def show_library_progress() -> None:
+    """The library's progress messages (e.g. compiling) as `tierlm: ...` lines on stderr."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tierlm: %(message)s"))
+    logger = logging.getLogger("tierlm")
+    if any(getattr(h, "tierlm_cli", False) for h in logger.handlers):
+        return
+    handler.tierlm_cli = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def load_model(args):
     import tierlm
 
@@ -296,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(command="bench", args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
+    show_library_progress()
     try:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:

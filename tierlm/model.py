@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ from tierlm.weights.load import (
 )
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 
+log = logging.getLogger("tierlm")
 MAX_STATIC_CACHES = 4  # static caches (and their compiled steps) kept for reuse across generate calls
 
 
@@ -162,7 +165,13 @@ class Model:
 
             compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
             freezing = bool(kwargs.get("options", {}).get("freezing"))
-            self._compiled[key] = compiled = _CompiledStep(compiled, freezing, cc.scope == "model")
+            what = (
+                f"the decode step (scope {cc.scope}, mode {cc.resolved_mode(str(self.device))}, "
+                f"batch {cache.batch}, cache {cache.max_len})"
+            )
+            if cc.scope == "model" and self.device.type == "cpu":
+                what += "; a cold whole-model compile takes minutes on a CPU"
+            self._compiled[key] = compiled = _CompiledStep(compiled, freezing, cc.scope == "model", what)
         compiled.cache = cache
         return compiled
 
@@ -178,8 +187,8 @@ class _CompiledStep:
     still asserts each input's size and stride.
     """
 
-    def __init__(self, compiled, freezing: bool, skip_guards: bool) -> None:
-        self.compiled, self.freezing, self.skip_guards = compiled, freezing, skip_guards
+    def __init__(self, compiled, freezing: bool, skip_guards: bool, what: str) -> None:
+        self.compiled, self.freezing, self.skip_guards, self.what = compiled, freezing, skip_guards, what
         self.traced = False
         self.cache: StaticCache | None = None
 
@@ -192,11 +201,14 @@ class _CompiledStep:
         old = inductor_config.freezing if inductor_config else None
         if inductor_config:
             inductor_config.freezing = True
+        start = time.perf_counter()
+        log.info("compiling %s ...", self.what)
         try:
             logits = self.compiled(tokens, positions, slots)
         finally:
             if inductor_config:
                 inductor_config.freezing = old
+        log.info("compiled in %.1f s", time.perf_counter() - start)
         self.traced = True
         return logits
 
