@@ -264,6 +264,36 @@ def test_sixteen_concurrent_streams_each_match_their_solo_run(client, live):
     assert live.stats()["max_batch_size_seen"] > 1
 
 
+def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference):
+    """With compilation on, a batch of 3 runs as 4 (one padding row), so only power-of-two batch sizes
+    ever compile; the padding changes no text."""
+    from tierlm import CompileConfig
+
+    model = tierlm.load(tiny_dir, dtype="float32")
+    config = GenerationConfig(compile_config=CompileConfig(scope="layer"))
+    prompts = ["The fox", "Hello there", "tiny words tiny words"]
+    with serve(model, max_batch_size=8, generation_config=config) as live:
+        oai = openai.OpenAI(
+            base_url=f"{live.url}/v1", api_key="-", max_retries=0, http_client=httpx.Client(trust_env=False)
+        )
+
+        def complete(prompt: str, n: int) -> str:
+            return (
+                oai.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+            )
+
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(complete, "Go on and on", 40)  # keeps the worker busy while the rest queue
+            live.wait_for(lambda s: s["running"] == 1)
+            texts = list(pool.map(lambda p: complete(p, 7), prompts))
+            first.result()
+        stats = live.stats()
+    assert stats["batch_sizes"].get("3") == 1, stats
+    assert stats["padding_rows"] == 1
+    assert sorted({key[1] for key in model._compiled}) == [1, 4]  # (config, batch, length, dtype)
+    assert texts == [library_text(reference, reference.tokenizer.encode(p), 7)[0] for p in prompts]
+
+
 # --- errors -------------------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"

@@ -129,7 +129,13 @@ class Scheduler:
         self._deadline: float | None = None  # after this, unfinished requests end with an error
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._stats = {"batches": 0, "max_batch_size_seen": 0, "generated_tokens": 0, "requests": 0}
+        self._stats = {
+            "batches": 0,
+            "max_batch_size_seen": 0,
+            "generated_tokens": 0,
+            "requests": 0,
+            "padding_rows": 0,  # rows added to round compiled batches up to a power of two
+        }
         self._batch_sizes: Counter[int] = Counter()
         self._finish_reasons: Counter[str] = Counter()
 
@@ -268,13 +274,20 @@ class Scheduler:
         self._record_batch(size)
         start = time.perf_counter()
         config = batch[0].sampling.config(self.base_config, max(r.max_tokens for r in batch))
-        gen = self.model.start(
-            [r.prompt_ids for r in batch],
-            config,
-            row_max_new_tokens=[r.max_tokens for r in batch],
-            row_stops=[r.stops for r in batch],
-        )
+        rows = [r.prompt_ids for r in batch]
+        limits = [r.max_tokens for r in batch]
+        stops = [r.stops for r in batch]
+        if config.compile_config is not None and not config.disable_compile:
+            # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
+            # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
+            extra = (1 << (size - 1).bit_length()) - size
+            rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
+            with self._cond:
+                self._stats["padding_rows"] += extra
+        gen = self.model.start(rows, config, row_max_new_tokens=limits, row_stops=stops)
         for row, delta, finished, reason in gen.stream():
+            if row >= size:  # a padding row
+                continue
             r = batch[row]
             r.tokens += 1
             if (r.cancelled or self._past_deadline()) and not finished:
