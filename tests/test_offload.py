@@ -119,10 +119,37 @@ def test_resolved_map_has_hf_shape(tiny_checkpoints):
     }
 
 
-def test_disk_offload_reads_checkpoint_files_when_dtype_matches(tiny_checkpoints, tmp_path):
+def test_disk_offload_reads_checkpoint_files_when_dtype_and_layout_match(tiny_checkpoints, tmp_path):
     folder = tmp_path / "offload"
     tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=HALF_ON_DISK, offload_folder=folder)
-    assert not folder.exists()  # fp32 checkpoint, fp32 model: memory-mapped straight from model.safetensors
+    # fp32 on CPU stores wide weights (out > in) transposed (tierlm/weights/layout.py): only those two are
+    # written to the offload folder; every other disk weight maps straight from model.safetensors.
+    (manifest,) = [json.loads(p.read_text()) for p in folder.glob("*/manifest.json")]
+    wide = ["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    assert manifest["tensors"] == manifest["transposed"] == wide
+    bf16 = tmp_path / "bf16"
+    tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16", device_map=HALF_ON_DISK, offload_folder=bf16)
+    (manifest,) = [json.loads(p.read_text()) for p in bf16.glob("*/manifest.json")]
+    assert manifest["transposed"] == [] and "model.layers.1.mlp.down_proj.weight" in manifest["tensors"]
+
+
+def test_fp32_cpu_stores_wide_weights_transposed_in_every_tier(tiny_checkpoints, tmp_path):
+    """Same layout, hence the same sums, whether a wide weight is resident, on the cpu tier or on disk."""
+    path = tiny_checkpoints["llama"]
+    resident = tierlm.load(path, dtype="float32")
+    offloaded = tierlm.load(path, dtype="float32", device_map=HALF_ON_DISK, offload_folder=tmp_path)
+    for model in (resident, offloaded):
+        layer = model.decoder.model.layers[1]
+        assert layer.mlp.up_proj.weight.T.is_contiguous()  # [out, in] seen through .T of an [in, out]
+        assert layer.mlp.down_proj.weight.is_contiguous()  # narrow: checkpoint layout
+        assert layer.mlp.fused is None and layer.self_attn.fused is None
+        assert model.decoder.lm_head.weight.T.is_contiguous()
+    torch.testing.assert_close(
+        offloaded.decoder.model.layers[1].mlp.up_proj.weight,
+        resident.decoder.model.layers[1].mlp.up_proj.weight,
+    )
+    bf16 = tierlm.load(path, dtype="bfloat16")
+    assert bf16.decoder.model.layers[1].mlp.up_proj.weight.is_contiguous()
 
 
 def test_offload_folder_is_reused_and_rebuilt_on_dtype_change(tiny_checkpoints, tmp_path):

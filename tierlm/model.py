@@ -29,6 +29,7 @@ from tierlm.placement.placer import (
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
+from tierlm.weights.layout import transpose_resident, transposes_wide_weights, wide_weight_names
 from tierlm.weights.load import (
     build_decoder,
     default_gguf_dtype,
@@ -258,8 +259,13 @@ def load(
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
     if quant is not None:  # resident linears now; offloaded ones as their units are built
         _quantize(decoder, placement, *quant)
-    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied, quant)
-    decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
+    wide = frozenset()
+    if transposes_wide_weights(target, placement.device, quantize):
+        wide = frozenset(wide_weight_names(decoder, tied))
+        transpose_resident(decoder, wide)
+    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied, quant, wide)
+    if not wide:  # fusing would change the sums of a transposed layout between placements
+        decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
     return Model(decoder, path, tokenizer, placement, streamer)
 
 
@@ -316,7 +322,14 @@ def _param_device(placement: Placement, name: str):
 
 
 def _streamer(
-    decoder: Decoder, checkpoint, placement: Placement, dtype, folder: Path, tied, quant=None
+    decoder: Decoder,
+    checkpoint,
+    placement: Placement,
+    dtype,
+    folder: Path,
+    tied,
+    quant=None,
+    wide=frozenset(),
 ) -> Streamer | None:
     """Hooks that stream every offloaded unit's weights (packed ones when `quant` = (mode, group size));
     None when everything is resident."""
@@ -331,7 +344,7 @@ def _streamer(
             raise ValueError(
                 "disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)"
             )
-        disk = disk_sources(checkpoint, disk_names, dtype, folder)
+        disk = disk_sources(checkpoint, disk_names, dtype, folder, wide)
     for follower, leader in followers.items():
         if leader in disk:
             disk[follower] = disk[leader]

@@ -20,6 +20,7 @@ from torch import nn
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass
@@ -104,8 +105,7 @@ class Streamer:
 
     def _drop_pages(self, t: torch.Tensor) -> None:
         """Unmap a memory-mapped tensor's pages so a RAM budget holds (the file is re-read next time)."""
-        addr, length = _page_span(t)
-        self._libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_DONTNEED)
+        madvise_dontneed(*page_span(t))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -125,12 +125,18 @@ def populate(libc, tensors) -> None:
     """Fault memory-mapped tensors' pages in ahead of use (reading the file only where the page cache lacks
     them), without copying: MADV_POPULATE_READ, or MADV_WILLNEED read-ahead on kernels before 5.14."""
     for t in tensors:
-        addr, length = _page_span(t)
+        addr, length = page_span(t)
         if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ) != 0:
             libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_WILLNEED)
 
 
-def _page_span(t: torch.Tensor) -> tuple[int, int]:
+def madvise_dontneed(addr: int, length: int) -> None:
+    """MADV_DONTNEED over [addr, addr + length): only for file-backed memory (anonymous pages would read
+    back as zeros)."""
+    _LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
+def page_span(t: torch.Tensor) -> tuple[int, int]:
     page = mmap.PAGESIZE
     start = t.data_ptr()
     aligned = start - start % page

@@ -158,22 +158,29 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def disk_sources(
-    checkpoint: SafetensorsCheckpoint, names: list[str], dtype: torch.dtype, offload_folder: Path
+    checkpoint: SafetensorsCheckpoint,
+    names: list[str],
+    dtype: torch.dtype,
+    offload_folder: Path,
+    transposed: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """Memory-mapped tensors for disk-offloaded parameters.
 
-    They come from the checkpoint's own files when the stored dtype is `dtype`; otherwise from an offload
-    folder written once, atomically, and reused while it matches the checkpoint and dtype.
+    They come from the checkpoint's own files when the stored dtype is `dtype` and the layout matches;
+    otherwise from an offload folder written once, atomically, and reused while it matches the
+    checkpoint, dtype and layout. Names in `transposed` are stored there transposed (weights/layout.py)
+    and returned as `.T` views of their shape.
     """
-    converted = [n for n in names if checkpoint.dtype(n) != dtype]
+    converted = [n for n in names if checkpoint.dtype(n) != dtype or n in transposed]
     files: dict[str, Path] = {n: checkpoint.files[n] for n in names if n not in converted}
+    flipped = frozenset(n for n in converted if n in transposed)
     if converted:
-        folder = ensure_offload_folder(checkpoint, converted, dtype, offload_folder)
+        folder = ensure_offload_folder(checkpoint, converted, dtype, offload_folder, flipped)
         files.update(dict.fromkeys(converted, folder / "weights.safetensors"))
     tensors = {}
     for file in sorted(set(files.values())):
         tensors.update(mmap_tensors(file, [n for n in names if files[n] == file]))
-    return tensors
+    return {n: t.T if n in flipped else t for n, t in tensors.items()}
 
 
 def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
@@ -186,19 +193,27 @@ def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def ensure_offload_folder(checkpoint, names: list[str], dtype: torch.dtype, root: Path) -> Path:
-    """<root>/<key>/weights.safetensors holding `names` in `dtype`; rebuilt when the dtype differs."""
+def ensure_offload_folder(
+    checkpoint, names: list[str], dtype: torch.dtype, root: Path, transposed: frozenset[str] = frozenset()
+) -> Path:
+    """<root>/<key>/weights.safetensors holding `names` in `dtype` (those in `transposed` stored
+    transposed); rebuilt when the dtype or the layout differs."""
     from tierlm.weights.gguf_cache import write_safetensors
 
     folder = root / offload_key(checkpoint, names)
-    want = {"dtype": str(dtype), "tensors": sorted(names)}
+    want = {"dtype": str(dtype), "tensors": sorted(names), "transposed": sorted(transposed)}
     if folder_matches(folder, want):
         return folder
     tmp = fresh_tmp_folder(folder)
-    shapes = {n: checkpoint.shape(n) for n in names}
-    write_safetensors(
-        tmp / "weights.safetensors", shapes, dtype, ((n, checkpoint.load(n).to(dtype)) for n in names)
-    )
+
+    def stored(n: str) -> torch.Tensor:
+        t = checkpoint.load(n).to(dtype)
+        return t.T.contiguous() if n in transposed else t
+
+    shapes = {
+        n: tuple(reversed(checkpoint.shape(n))) if n in transposed else checkpoint.shape(n) for n in names
+    }
+    write_safetensors(tmp / "weights.safetensors", shapes, dtype, ((n, stored(n)) for n in names))
     commit_folder(tmp, folder, want)
     return folder
 
