@@ -20,6 +20,8 @@ from typing import Any
 
 from common import default_model_file, status
 
+from tierlm.placement.offload import file_mappings
+
 RANDOM_LLAMA = dict(  # ~745M parameters, 1.49 GB in bf16 (16 layers would be 1.77 GB)
     hidden_size=2048,
     intermediate_size=5632,
@@ -234,17 +236,6 @@ class RssSampler(threading.Thread):
         return self.peak
 
 
-def memory_maps() -> list[tuple[int, int, int, Path]]:
-    """(start, end, file offset, path) of this process's file-backed mappings (/proc/self/maps)."""
-    out = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((start, end, int(parts[2], 16), Path(parts[5])))
-    return out
-
-
 def file_range(t, maps) -> tuple[Path, int, int]:
     """(file, offset, length) of the bytes behind a memory-mapped tensor."""
     ptr, length = t.data_ptr(), t.numel() * t.element_size()
@@ -259,7 +250,7 @@ def install_evictor(model) -> int:
     cache, so the next token reads them from the disk again. Returns how many units it watches."""
     fds: dict[Path, int] = {}
     count = 0
-    maps = memory_maps()
+    maps = file_mappings()
     for unit in model.streamer.units:
         if unit.tier != "disk":
             continue

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+from conftest import SEED_MAP
 from torch._dynamo.utils import counters
 
 import tierlm
@@ -14,13 +15,6 @@ import tierlm.compile
 from tierlm import CompileConfig, CompileSkippedWarning
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
-SEED_MAP = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": "cpu",
-    "model.norm": "cpu",
-    "lm_head": 0,
-}
 LONGER = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
 
 

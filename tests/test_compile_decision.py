@@ -5,17 +5,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from conftest import SEED_MAP
 
 from tierlm.compile import CompileConfig, CompileDecision, CompileSkippedWarning, decide, warn_if_skipped
 from tierlm.generation.config import GenerationConfig
 
-SEED_MAP = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": "cpu",
-    "model.norm": "cpu",
-    "lm_head": 0,
-}
 STATIC = GenerationConfig(cache_implementation="static")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import SEED_MAP
 
 from tierlm.placement import device_map as dm
 from tierlm.placement.device_map import (
@@ -65,14 +66,6 @@ def placed(mapping: dict[str, str], *assignments: tuple[str, list[str]]) -> None
 
 
 # ---------------------------------------------------------------- expand_device_map
-
-SEED_MAP = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": "cpu",
-    "model.norm": "cpu",
-    "lm_head": 0,
-}
 
 
 def test_seed_map_expands_to_every_parameter():

@@ -9,19 +9,12 @@ import textwrap
 
 import pytest
 import torch
-from conftest import write_tiny_checkpoint
+from conftest import SEED_MAP, write_tiny_checkpoint
 from safetensors.torch import load_file
 
 import tierlm
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
-SEED_MAP = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": "cpu",
-    "model.norm": "cpu",
-    "lm_head": 0,
-}
 HALF_ON_DISK = {"": "cpu", "model.layers.1": "disk", "model.norm": "disk"}
 ALL_BUT_EMBED_ON_DISK = {"": "disk", "model.embed_tokens": "cpu"}
 

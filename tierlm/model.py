@@ -26,6 +26,7 @@ from tierlm.placement.placer import (
     parameter_table,
     resolve,
 )
+from tierlm.quant import default_int4_group
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -172,9 +173,10 @@ class Model:
             )
             if cc.scope == "model" and self.device.type == "cpu":
                 what += "; a cold whole-model compile takes minutes on a CPU"
-            self._compiled[key] = compiled = _CompiledStep(compiled, freezing, cc.scope == "model", what)
-        compiled.cache = cache
-        return compiled
+            self._compiled[key] = compiled = _CompiledStep(
+                compiled, cache, freezing, cc.scope == "model", what
+            )
+        return compiled  # keyed by (batch, length, dtype) like static caches, so its cache is `cache`
 
 
 class _CompiledStep:
@@ -188,10 +190,10 @@ class _CompiledStep:
     still asserts each input's size and stride.
     """
 
-    def __init__(self, compiled, freezing: bool, skip_guards: bool, what: str) -> None:
-        self.compiled, self.freezing, self.skip_guards, self.what = compiled, freezing, skip_guards, what
+    def __init__(self, compiled, cache: StaticCache, freezing: bool, skip_guards: bool, what: str) -> None:
+        self.compiled, self.cache = compiled, cache
+        self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
         self.traced = False
-        self.cache: StaticCache | None = None
 
     def __call__(self, tokens, positions, slots, length):
         self.cache.limit = self.cache.max_len  # fixed shapes: the graph always reads the whole cache
@@ -242,7 +244,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     checkpoint, target, tokenizer = _open(path, dtype, device)
-    quant = (quantize, group_size or _int4_group(path)) if quantize is not None else None
+    quant = (quantize, group_size or default_int4_group(path)) if quantize is not None else None
     names, sizes, tied = parameter_table(checkpoint.config, target, quant)
     placement = resolve(
         names,
@@ -290,23 +292,9 @@ def _open(path: Path, dtype, device: torch.device):
     return checkpoint, resolve_dtype(dtype, checkpoint, device), tokenizer
 
 
-def _int4_group(path: Path) -> int:
-    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
-    if path.suffix != ".gguf":
-        return 64
-    recorded = gguf_cache.source_tensor_types(path)  # when the dequantized cache exists
-    if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
-        gguf = GGUFCheckpoint(path)
-        recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
-    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
-    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
-
-
 def _quantize(decoder: Decoder, placement: Placement, mode: str, group_size: int) -> None:
-    from tierlm.quant import MODES, quantize_decoder
+    from tierlm.quant import quantize_decoder
 
-    if mode not in MODES:
-        raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
     quantize_decoder(
         decoder, mode, group_size, skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"])
     )

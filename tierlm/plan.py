@@ -44,9 +44,9 @@ def plan(
     cfg = checkpoint.config
     quant = None
     if quantize is not None:
-        from tierlm.model import _int4_group
+        from tierlm.quant import default_int4_group
 
-        quant = (quantize, group_size or _int4_group(path))
+        quant = (quantize, group_size or default_int4_group(path))
     names, sizes, tied = parameter_table(cfg, target, quant)
     placement = resolve(names, sizes, device_map, max_memory, device, tied, kv_bytes_per_token(cfg, target))
     module_bytes = {

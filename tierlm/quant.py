@@ -8,6 +8,7 @@ int4 kernels, checked against a plain-torch reference in tests/test_quant.py).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,18 @@ PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+
+
+def quantizes(module_name: str) -> bool:
+    """Whether quantization replaces the linear of this name: attention/MLP projections and the LM head."""
+    return module_name == "lm_head" or module_name.endswith(PROJECTIONS)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
+
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CUDA_INNER_K_TILES = 8  # tinygemm on CUDA: K must be a multiple of 16 * inner_k_tiles
 aten = torch.ops.aten
@@ -58,6 +71,21 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_s
     sz = scales_and_zeros.float().transpose(0, 1)  # [N, K/g, 2]
     q = codes.float().reshape(n, k // group_size, group_size) - 8
     return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+def default_int4_group(path: Path) -> int:
+    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
+    from tierlm.weights import gguf_cache
+    from tierlm.weights.gguf import GGUFCheckpoint
+
+    if path.suffix != ".gguf":
+        return 64
+    recorded = gguf_cache.source_tensor_types(path)  # when the dequantized cache exists
+    if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
+        gguf = GGUFCheckpoint(path)
+        recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
+    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
+    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int, device: torch.device) -> None:
@@ -189,8 +217,7 @@ def quantize_decoder(
     layers whose shape the kernel cannot take stay in float (with one warning naming them). Modules under
     a `skip` prefix (offloaded units, quantized as they stream: placement/quantized.py) are left alone.
     """
-    if mode not in MODES:
-        raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     dtype = getattr(decoder, "compute_dtype", torch.bfloat16)
@@ -200,7 +227,7 @@ def quantize_decoder(
         name
         for name, module in decoder.named_modules()
         if isinstance(module, nn.Linear)
-        and (name == "lm_head" or name.endswith(PROJECTIONS))
+        and quantizes(name)
         and not any(name == p or name.startswith(p + ".") for p in skip)
     ]
     offloaded = [n for n in targets if decoder.get_submodule(n).weight.device.type == "meta"]

@@ -13,6 +13,7 @@ import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,7 +50,6 @@ class Streamer:
         self.fetches = 0  # how many unit fetches ran (tests and stats read it)
         self.prefetched = 0  # how many of them were already under way when needed
         self.mapped: set[int] = set()  # disk units whose pages are faulted in and not dropped since
-        self._libc = ctypes.CDLL(None, use_errno=True)
         for i, unit in enumerate(units):
             module = decoder.get_submodule(unit.name)
             module.register_forward_pre_hook(partial(self._fetch, i))
@@ -63,7 +63,7 @@ class Streamer:
             # Fault the pages in once; they stay mapped unless dropped after use (a RAM budget) or
             # reclaimed by the kernel (then the forward faults them in itself). Re-populating mapped
             # pages every token would only walk page tables on a core the forward needs.
-            populate(self._libc, unit.sources.values())
+            populate(unit.sources.values())
             self.mapped.add(i)
         if self.device.type == "cpu" and unit.tier == "disk":
             return unit.sources, None  # memory-mapped weights are used in place
@@ -121,19 +121,34 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             owner._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
-def populate(libc, tensors) -> None:
+def populate(tensors) -> None:
     """Fault memory-mapped tensors' pages in ahead of use (reading the file only where the page cache lacks
     them), without copying: MADV_POPULATE_READ, or MADV_WILLNEED read-ahead on kernels before 5.14."""
     for t in tensors:
         addr, length = page_span(t)
-        if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ) != 0:
-            libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_WILLNEED)
+        if _LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_POPULATE_READ) != 0:
+            _LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_WILLNEED)
 
 
 def madvise_dontneed(addr: int, length: int) -> None:
     """MADV_DONTNEED over [addr, addr + length): only for file-backed memory (anonymous pages would read
     back as zeros)."""
     _LIBC.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
+def file_mappings() -> list[tuple[int, int, int, Path]]:
+    """(start, end, file offset, path) of this process's file-backed mappings (/proc/self/maps)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, int(parts[2], 16), Path(parts[5])))
+    return out
 
 
 def page_span(t: torch.Tensor) -> tuple[int, int]:

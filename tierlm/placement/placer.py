@@ -126,6 +126,9 @@ def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, i
     for _, follower in tied:
         sizes[follower] = 0
     if quantize is not None:
+        from tierlm.quant import check_mode
+
+        check_mode(quantize[0])
         for n, p in params.items():
             packed = _packed_bytes(n, tuple(p.shape), *quantize, dtype)
             if packed is not None:
@@ -135,14 +138,10 @@ def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, i
 
 def _packed_bytes(name: str, shape: tuple[int, ...], mode: str, group: int, dtype: torch.dtype) -> int | None:
     """Bytes of a quantized projection weight (codes plus scales), None if it stays float."""
-    from tierlm.quant import PROJECTIONS, check_int4_shape
+    from tierlm.quant import check_int4_shape, quantizes
 
-    if not name.endswith(".weight") or not (
-        name == "lm_head.weight" or name.removesuffix(".weight").endswith(PROJECTIONS)
-    ):
+    if not (name.endswith(".weight") and quantizes(name.removesuffix(".weight"))):
         return None
-    if mode not in ("int8", "int4"):
-        raise ValueError(f"quantize must be one of int8, int4, got {mode!r}")
     n, k = shape
     if mode == "int8":
         return n * k + n * dtype.itemsize

@@ -17,7 +17,7 @@ from torch import nn
 
 from tierlm.placement.offload import Unit, _assign
 from tierlm.placement.placer import commit_folder, folder_matches, fresh_tmp_folder
-from tierlm.quant import PROJECTIONS, Int4Linear, Int8Linear, check_int4_shape
+from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, quantizes
 from tierlm.weights.safetensors import NP_VIEWS, header
 
 DTYPES = {code: dtype for code, (_, dtype) in NP_VIEWS.items()}  # safetensors code -> torch dtype
@@ -30,7 +30,7 @@ def _targets(module: nn.Module, unit_name: str) -> list[str]:
     out = []
     for rel, child in module.named_modules():
         full = f"{unit_name}.{rel}" if rel else unit_name
-        if isinstance(child, nn.Linear) and (full == "lm_head" or full.endswith(PROJECTIONS)):
+        if isinstance(child, nn.Linear) and quantizes(full):
             out.append(rel)
     return out
 

@@ -13,12 +13,10 @@ transposed, and projections are not fused (offloaded units never are).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from tierlm.placement.offload import madvise_dontneed, page_span
+from tierlm.placement.offload import file_mappings, madvise_dontneed, page_span
 
 
 def transposes_wide_weights(dtype: torch.dtype, device: torch.device, quantize: str | None) -> bool:
@@ -41,7 +39,7 @@ def transpose_resident(decoder: nn.Module, names: set[str]) -> None:
     still on the meta device (disk tier) are left to the offload folder."""
     params = dict(decoder.named_parameters(remove_duplicate=False))
     done: dict[int, nn.Parameter] = {}
-    file_ranges = _file_mappings()
+    file_ranges = file_mappings()
     for name in sorted(names):
         old = params[name]
         if old.is_meta:
@@ -54,25 +52,10 @@ def transpose_resident(decoder: nn.Module, names: set[str]) -> None:
         setattr(decoder.get_submodule(owner), leaf, new)
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's file-backed mappings."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    spans = []
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            spans.append((start, end))
-    return spans
-
-
-def _drop_file_pages(t: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
+def _drop_file_pages(t: torch.Tensor, file_ranges) -> None:
     """Unmap the pages of a tensor memory-mapped from its checkpoint once its transposed copy exists, so a
     load holds one copy in RAM, not two. Only file-backed pages: dropping them loses nothing (they re-read
     from the file if touched again), which is not true of anonymous memory."""
     addr, length = page_span(t)
-    if any(start <= addr and addr + length <= end for start, end in file_ranges):
+    if any(start <= addr and addr + length <= end for start, end, _, _ in file_ranges):
         madvise_dontneed(addr, length)
