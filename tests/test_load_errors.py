@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -96,9 +98,10 @@ def test_truncated_gguf(default_model_path, tmp_path):
     assert "cut.gguf" in one_line(err) and "GGUF" in one_line(err)
 
 
-def write_gguf(path, arch="llama", tensor_type=GGMLQuantizationType.F32):
+def write_gguf(path, arch="llama", tensor_type=GGMLQuantizationType.F32, block_count=1):
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
+    if block_count is not None:
+        writer.add_block_count(block_count)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
     writer.add_feed_forward_length(16)
@@ -135,3 +138,92 @@ def test_unknown_dtype(tiny_checkpoints):
     with pytest.raises(ValueError) as err:
         tierlm.load(tiny_checkpoints["llama"], dtype="float8")
     assert "float8" in one_line(err)
+
+
+def with_config(tiny_checkpoints, tmp_path, edit) -> tuple:
+    """A copy of the tiny llama checkpoint whose config.json text is edit(parsed config)."""
+    folder = copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m")
+    config = folder / "config.json"
+    config.write_text(edit(json.loads(config.read_text())))
+    return folder, config
+
+
+def without(field):
+    return lambda cfg: json.dumps({k: v for k, v in cfg.items() if k != field})
+
+
+BROKEN_CONFIGS = {
+    **{
+        f"missing {field}": (without(field), f'missing required field "{field}"')
+        for field in ("hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
+    },
+    "hidden_size 576x": (
+        lambda cfg: json.dumps({**cfg, "hidden_size": "576x"}),
+        'field "hidden_size" must be a positive integer, got "576x"',
+    ),
+    "eos_token_id a string": (
+        lambda cfg: json.dumps({**cfg, "eos_token_id": "</s>"}),
+        'field "eos_token_id" must be a token id or a list of token ids, got "</s>"',
+    ),
+    "invalid JSON": (lambda cfg: json.dumps(cfg)[:-20], "is not valid JSON"),
+    "a JSON list": (lambda cfg: "[1, 2]", "must hold a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_CONFIGS)
+def test_broken_config_is_one_line_naming_file_and_field(tiny_checkpoints, tmp_path, case):
+    edit, needle = BROKEN_CONFIGS[case]
+    folder, config = with_config(tiny_checkpoints, tmp_path, edit)
+    with pytest.raises(ValueError) as err:
+        tierlm.load(folder)
+    assert one_line(err).startswith(f"config.json at {config}") and needle in one_line(err)
+
+
+@pytest.mark.parametrize("case", BROKEN_CONFIGS)
+def test_broken_config_is_one_cli_error_line_without_traceback(tiny_checkpoints, tmp_path, case):
+    edit, needle = BROKEN_CONFIGS[case]
+    folder, config = with_config(tiny_checkpoints, tmp_path, edit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierlm.cli", "generate", "--model", str(folder), "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"tierlm: error: config.json at {config}")
+    assert needle in proc.stderr.splitlines()[-1]
+
+
+def test_gguf_missing_metadata_key_is_named(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", block_count=None)
+    with pytest.raises(ValueError) as err:
+        tierlm.load(path)
+    assert "m.gguf" in one_line(err) and 'missing required field "llama.block_count"' in one_line(err)
+
+
+def test_truncated_gguf_names_the_tensor_it_cannot_read(default_model_path, tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        truncated.write_bytes(f.read(50_000_000))
+    with pytest.raises(ValueError) as err:
+        tierlm.load(truncated)
+    message = one_line(err)
+    assert (
+        "tensor blk.16.ffn_down.weight could not be read" in message and "past the end of the file" in message
+    )
+    assert "out of bounds" not in message and "reshape" not in message
+
+
+def test_corrupt_gguf_metadata_names_the_key_it_cannot_read(default_model_path, tmp_path):
+    with open(default_model_path, "rb") as f:
+        head = bytearray(f.read(2_000_000))
+    key = b"general.organization"
+    at = head.index(key) + len(key) + 4  # past the key and its value type: the string's length
+    head[at : at + 8] = b"\xff" * 8
+    damaged = tmp_path / "bad.gguf"
+    damaged.write_bytes(bytes(head))
+    with pytest.raises(ValueError) as err:
+        tierlm.load(damaged)
+    message = one_line(err)
+    assert "bad.gguf" in message and 'metadata key "general.organization" could not be read' in message
+    assert "out of bounds" not in message

@@ -77,41 +77,51 @@ class ModelConfig:
         return self.attention_bias if fam.o_bias is None else fam.o_bias
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from the contents of a Hugging Face config.json."""
+    def from_hf_dict(cls, raw: Any, source: str = "config.json") -> ModelConfig:
+        """Build from the contents of a Hugging Face config.json; errors name `source` and the field."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source} must hold a JSON object, got {type(raw).__name__}")
+        try:
+            return cls._from_hf(raw)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = _architecture(raw)
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
+        hidden = positive_int(raw, "hidden_size")
+        num_heads = positive_int(raw, "num_attention_heads")
         theta, scaling = _rope(raw)
         return cls(
             architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=positive_int(raw, "vocab_size"),
             hidden_size=hidden,
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=positive_int(raw, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            intermediate_size=int(raw["intermediate_size"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=positive_int(raw, "num_key_value_heads", num_heads),
+            head_dim=positive_int(raw, "head_dim", hidden // num_heads),
+            intermediate_size=positive_int(raw, "intermediate_size"),
+            rms_norm_eps=positive_float(raw, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_id_tuple(raw.get("eos_token_id")),
-            pad_token_id=raw.get("pad_token_id"),
+            max_position_embeddings=positive_int(raw, "max_position_embeddings", 2048),
+            bos_token_id=token_id(raw, "bos_token_id"),
+            eos_token_ids=token_ids(raw, "eos_token_id"),
+            pad_token_id=token_id(raw, "pad_token_id"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
     @classmethod
     def from_hf_json(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        source = f"config.json at {path}"
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+            raw = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{source} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(raw, source)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], n_vocab_tensor: int | None = None) -> ModelConfig:
@@ -120,40 +130,46 @@ class ModelConfig:
         if arch_name not in MODEL_TYPES:
             supported = ", ".join(MODEL_TYPES)
             raise ValueError(f"unsupported GGUF architecture {arch_name!r}; supported: {supported}")
+        keys = {k.removeprefix(f"{arch_name}."): v for k, v in meta.items() if k.startswith(f"{arch_name}.")}
+        prefix = f"{arch_name}."
 
-        def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"{arch_name}.{key}", default)
+        def count(key: str, default: int = _REQUIRED) -> int:
+            return positive_int(keys, key, default, prefix)
 
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab = get("vocab_size") or n_vocab_tensor or len(meta.get("tokenizer.ggml.tokens", ()))
+        hidden = count("embedding_length")
+        num_heads = count("attention.head_count")
+        vocab = keys.get("vocab_size") or n_vocab_tensor or len(meta.get("tokenizer.ggml.tokens", ()))
         scaling = RopeScaling()
-        if get("rope.scaling.type") == "linear":
-            scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor", 1.0)))
+        if keys.get("rope.scaling.type") == "linear":
+            scaling = RopeScaling("linear", factor=positive_float(keys, "rope.scaling.factor", 1.0, prefix))
         return cls(
             architecture=MODEL_TYPES[arch_name],
-            vocab_size=int(vocab),
+            vocab_size=positive_int({"vocab_size": vocab}, "vocab_size", prefix=prefix),
             hidden_size=hidden,
-            num_layers=int(get("block_count")),
+            num_layers=count("block_count"),
             num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv") or num_heads),
-            head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads),
-            intermediate_size=int(get("feed_forward_length")),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            num_kv_heads=count("attention.head_count_kv", num_heads),
+            head_dim=count("attention.key_length", count("rope.dimension_count", hidden // num_heads)),
+            intermediate_size=count("feed_forward_length"),
+            rms_norm_eps=positive_float(keys, "attention.layer_norm_rms_epsilon", 1e-6, prefix),
+            rope_theta=positive_float(keys, "rope.freq_base", 10000.0, prefix),
             rope_scaling=scaling,
             tie_word_embeddings=bool(meta.get("tierlm.tied_embeddings", False)),
             attention_bias=arch_name == "qwen2",
-            max_position_embeddings=int(get("context_length", 2048)),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
-            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            max_position_embeddings=count("context_length", 2048),
+            bos_token_id=token_id(meta, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=token_ids(meta, "tokenizer.ggml.eos_token_id"),
+            pad_token_id=token_id(meta, "tokenizer.ggml.padding_token_id"),
             torch_dtype=None,
         )
 
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f'field "architectures" must be a list of names, got {_shown(archs)}')
     if archs:
         arch = archs[0]
     elif raw.get("model_type") in MODEL_TYPES:
@@ -166,25 +182,73 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     """Rope theta and scaling from either transformers v4 (rope_scaling) or v5 (rope_parameters) keys."""
-    params = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ValueError(f'field "{key}" must be an object, got {_shown(raw[key])}')
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    theta = positive_float(params, "rope_theta", positive_float(raw, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return theta, RopeScaling()
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=positive_float(params, "factor", 1.0, "rope_scaling."),
+        low_freq_factor=positive_float(params, "low_freq_factor", 1.0, "rope_scaling."),
+        high_freq_factor=positive_float(params, "high_freq_factor", 4.0, "rope_scaling."),
+        original_max_position_embeddings=positive_int(
+            params, "original_max_position_embeddings", 8192, "rope_scaling."
+        ),
     )
 
 
-def _id_tuple(value: Any) -> tuple[int, ...]:
+_REQUIRED: Any = object()
+
+
+def positive_int(raw: dict[str, Any], key: str, default: int = _REQUIRED, prefix: str = "") -> int:
+    """raw[key] as a positive integer (an integral float too); `default` when absent or null, else required."""
+    value = raw.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if key not in raw:
+        raise ValueError(f'missing required field "{prefix}{key}"')
+    integral = isinstance(value, float) and value.is_integer()
+    if not (_is_int(value) or integral) or value <= 0:
+        raise ValueError(f'field "{prefix}{key}" must be a positive integer, got {_shown(value)}')
+    return int(value)
+
+
+def positive_float(raw: dict[str, Any], key: str, default: float, prefix: str = "") -> float:
+    """raw[key] as a positive finite number; `default` when absent or null."""
+    value = raw.get(key)
     if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+        return default
+    if not (_is_int(value) or isinstance(value, float)) or not 0 < value < float("inf"):
+        raise ValueError(f'field "{prefix}{key}" must be a positive number, got {_shown(value)}')
+    return float(value)
+
+
+def token_id(raw: dict[str, Any], key: str) -> int | None:
+    """A token id field (a non-negative integer) or None when absent or null."""
+    value = raw.get(key)
+    if value is not None and not (_is_int(value) and value >= 0):
+        raise ValueError(f'field "{key}" must be a token id (an integer >= 0) or null, got {_shown(value)}')
+    return value
+
+
+def token_ids(raw: dict[str, Any], key: str) -> tuple[int, ...]:
+    """A field holding one token id or a list of them; () when absent or null."""
+    value = raw.get(key)
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(_is_int(v) and v >= 0 for v in values):
+        raise ValueError(f'field "{key}" must be a token id or a list of token ids, got {_shown(value)}')
+    return tuple(values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A field's value as JSON, cut short: "576x", null, [1, 2]."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."

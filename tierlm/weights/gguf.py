@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from tierlm.config import ModelConfig
@@ -50,7 +50,10 @@ class GGUFCheckpoint:
         meta = {**self.metadata, "tierlm.tied_embeddings": tied}
         embed = self.tensors.get("model.embed_tokens.weight")
         n_vocab = int(embed.shape[-1]) if embed is not None else None
-        self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab)
+        try:
+            self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab)
+        except ValueError as e:
+            raise ValueError(f"GGUF metadata of {self.path}: {e}") from None
         for t in self.tensors.values():
             if t.tensor_type not in SUPPORTED_TYPES:
                 supported = ", ".join(q.name for q in SUPPORTED_TYPES)
@@ -106,10 +109,84 @@ def _dequantize_rows(raw: np.ndarray, qtype: Q, rows_per_chunk: int = 2048) -> t
 
 
 def _read(path: Path) -> GGUFReader:
+    reader = _LocatingReader.__new__(_LocatingReader)  # built in two steps: a failed one is still there
     try:
-        return GGUFReader(path)
+        reader.__init__(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged files
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+        where = reader.failed_at(path) if getattr(reader, "phase", None) else str(e)
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {where}") from None
+    return reader
+
+
+class _LocatingReader(GGUFReader):
+    """GGUFReader that remembers what it was reading, so a damaged file's error names the metadata key or
+    the tensor instead of numpy's complaint about it."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        if offset + np.dtype(dtype).itemsize * int(count) > len(self.data):  # numpy would cut it short
+            raise ValueError("read past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _push_field(self, field, skip_sum: bool = False) -> int:
+        self.phase, self.last_field = "metadata", field
+        return super()._push_field(field, skip_sum)
+
+    def _build_tensor_info(self, offs: int, count: int):
+        self.phase, self.infos, self.info_count = "tensor info", [], int(count)
+        return super()._build_tensor_info(offs, count)
+
+    def _get_tensor_info_field(self, orig_offs: int):
+        self.info_offset = orig_offs
+        field = super()._get_tensor_info_field(orig_offs)
+        self.infos.append(field)
+        return field
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        self.phase, built = "tensors", []
+        for field in fields:  # one at a time, to know which one fails
+            self.current = field
+            super()._build_tensors(start_offs, [field])
+            built.extend(self.tensors)
+        if len({t.name for t in built}) < len(built):
+            raise ValueError("a tensor name appears twice")
+        self.tensors = built
+
+    def failed_at(self, path: Path) -> str:
+        """What could not be read: a metadata key, a tensor's description, or a tensor's data."""
+        if self.phase == "metadata":
+            last = self.last_field
+            key = self._string_at(last.offset + sum(int(p.nbytes) for p in last.parts))
+            named = f'key "{key}"' if key else f'entry after "{last.name}"'
+            return f"metadata {named} could not be read"
+        if self.phase == "tensor info" and len(self.infos) == self.info_count:
+            return "the tensor data offset could not be found (bad general.alignment?)"
+        if self.phase == "tensor info":
+            name = self._string_at(self.info_offset)
+            n = len(self.infos) + 1
+            return f"the description of tensor {name or n} ({n} of {self.info_count}) could not be read"
+        name = str(bytes(self.current.parts[1]), encoding="utf-8")
+        return f"tensor {name} could not be read ({self._data_problem(path)})"
+
+    def _string_at(self, offs: int) -> str | None:
+        """A GGUF string (u64 length, utf-8 bytes) at `offs`, if one is readable there."""
+        try:
+            _, data = self._get_str(offs)
+            text = str(bytes(data), encoding="utf-8")
+        except Exception:
+            return None
+        return text if 0 < len(text) <= 256 and text.isprintable() else None
+
+    def _data_problem(self, path: Path) -> str:
+        _, _, _, dims, raw_type, offset = self.current.parts
+        try:
+            block, type_size = GGML_QUANT_SIZES[Q(int(raw_type[0]))]
+        except (ValueError, KeyError):
+            return f"unknown tensor type {int(raw_type[0])}"
+        end = self.data_offset + int(offset[0]) + int(np.prod(dims.astype(np.float64))) * type_size // block
+        size = path.stat().st_size
+        return (
+            f"its data ends at byte {end}, past the end of the file at {size}" if end > size else "bad shape"
+        )
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -44,11 +44,16 @@ def default_model_path() -> Path:
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """A lazy reader for an HF folder or a .gguf file."""
     path = Path(path)
-    if path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
+    if path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF"):
         return GGUFCheckpoint(path)
     if path.is_file():
         raise ValueError(f"{path} is neither a GGUF file nor a model folder")
     return SafetensorsCheckpoint(path)
+
+
+def _magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
 
 
 def cpu_has_native_bf16() -> bool:
