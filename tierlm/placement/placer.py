@@ -24,6 +24,7 @@ from tierlm.placement.device_map import (
     offloaded_modules,
 )
 from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
+from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
 KV_RESERVE_TOKENS = 2048  # "auto" maps keep room for a KV cache of this many tokens (batch 1)
 
@@ -168,8 +169,9 @@ def disk_sources(
     They come from the checkpoint's own files when the stored dtype is `dtype` and the layout matches;
     otherwise from an offload folder written once, atomically, and reused while it matches the
     checkpoint, dtype and layout. Names in `transposed` are stored there transposed (weights/layout.py)
-    and returned as `.T` views of their shape.
+    and returned as `.T` views of their shape. What killed writers left in the offload folder goes first.
     """
+    remove_stale_temporaries(offload_folder)
     converted = [n for n in names if checkpoint.dtype(n) != dtype or n in transposed]
     files: dict[str, Path] = {n: checkpoint.files[n] for n in names if n not in converted}
     flipped = frozenset(n for n in converted if n in transposed)
@@ -200,7 +202,12 @@ def ensure_offload_folder(
     from tierlm.weights.gguf_cache import write_safetensors
 
     folder = root / offload_key(checkpoint, names)
-    want = {"dtype": str(dtype), "tensors": sorted(names), "transposed": sorted(transposed)}
+    want = {
+        "source": str(checkpoint.path),
+        "dtype": str(dtype),
+        "tensors": sorted(names),
+        "transposed": sorted(transposed),
+    }
     if folder_matches(folder, want):
         return folder
     tmp = fresh_tmp_folder(folder)
@@ -224,10 +231,12 @@ def folder_matches(folder: Path, want: dict) -> bool:
 
 
 def fresh_tmp_folder(folder: Path) -> Path:
-    """An empty temporary folder beside `folder`, to fill and then commit_folder()."""
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    """An empty temporary folder beside `folder`, to fill and then commit_folder(); what killed writers
+    left beside it goes first."""
+    tmp = temporary(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(folder.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
@@ -241,7 +250,7 @@ def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
     """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
     without a manifest (an interrupted write) is never trusted."""
     (tmp / "manifest.json").write_text(json.dumps(want))
-    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+    old = temporary(folder, "old")
     if folder.exists():
         os.rename(folder, old)
     os.rename(tmp, folder)

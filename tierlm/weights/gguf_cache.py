@@ -16,6 +16,7 @@ import torch
 
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.weights.safetensors import SafetensorsCheckpoint
+from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
 
 def cache_root() -> Path:
@@ -54,7 +55,9 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
     """The GGUF file's weights as a safetensors file in `dtype`, dequantized and written once.
 
     Tensors are dequantized and written one at a time, so the peak memory is one tensor, not the model.
+    What a killed earlier writer left in the cache folder is removed first.
     """
+    remove_stale_temporaries(cache_dir(gguf_path))
     cached = open_cached(gguf_path, dtype)
     if cached is not None:
         return cached
@@ -75,7 +78,8 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
 
     _atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
     types = {n: gguf.tensors[n].tensor_type.name for n in names}
-    _atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps({"tensor_types": types})))
+    source = {"gguf": str(gguf_path.resolve()), "tensor_types": types}
+    _atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps(source)))
     _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
     return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
@@ -114,7 +118,7 @@ def _numel(shape) -> int:
 
 
 def _atomic_write(target: Path, write) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = temporary(target)
     try:
         write(tmp)
         os.replace(tmp, target)

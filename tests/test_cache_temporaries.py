@@ -1,0 +1,143 @@
+"""Temporaries of a killed writer are removed by the next run; a live writer's never are (real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+
+import tierlm
+from tierlm.weights import gguf_cache
+from tierlm.weights.temporaries import process_start, remove_stale_temporaries, temporary
+
+DISK_MAP = {"": "cpu", "model.layers.1": "disk"}
+
+
+def write_tiny_gguf(path):
+    """A one-tensor llama GGUF: enough for the dequantized-weights cache, not for a whole model."""
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in [
+        (writer.add_block_count, 1),
+        (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 16),
+        (writer.add_head_count, 2),
+    ]:
+        add(value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Makes temporaries for each target through tierlm's own naming, prints them, then waits to be killed.
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from tierlm.weights.temporaries import temporary
+    for target in map(Path, sys.argv[1:]):
+        tmp = temporary(target)
+        if target.suffix:
+            tmp.write_bytes(b"half a tensor")
+        else:
+            tmp.mkdir()
+            (tmp / "weights.safetensors").write_bytes(b"half a tensor")
+        print(tmp, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def start_writer(*targets) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, *map(str, targets)], stdout=subprocess.PIPE, text=True
+    )
+    return proc, [proc.stdout.readline().strip() for _ in targets]
+
+
+@pytest.fixture
+def writers(tmp_path):
+    """Two writer processes with temporaries in a GGUF cache folder and in an offload folder: one killed
+    with SIGKILL mid-write (its temporaries stay behind), one alive."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    targets = [
+        gguf_cache.cache_dir(gguf) / "weights-float32.safetensors",
+        tmp_path / "offload" / "0123456789abcdef0123",
+    ]
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    dead, dead_paths = start_writer(*targets)
+    dead.kill()
+    dead.wait()
+    live, live_paths = start_writer(*targets)
+    yield gguf, dead_paths, live_paths, dead.pid
+    live.kill()
+    live.wait()
+
+
+def test_next_gguf_load_removes_a_killed_writers_temporaries_not_a_live_ones(writers, tmp_path):
+    gguf, dead_paths, live_paths, dead_pid = writers
+    legacy = gguf_cache.cache_dir(gguf) / f".weights-bfloat16.safetensors.{dead_pid}.tmp"  # tierlm <= 0.x
+    legacy.write_bytes(b"half a tensor")
+    cached = gguf_cache.ensure(gguf, torch.float32)
+    assert torch.equal(cached.load("model.embed_tokens.weight"), torch.ones(16, 8))
+    assert not os.path.exists(dead_paths[0]) and not legacy.exists()
+    assert os.path.exists(live_paths[0])
+
+
+def test_next_offloaded_load_removes_a_killed_writers_folder_not_a_live_ones(
+    writers, tiny_checkpoints, tmp_path
+):
+    _, dead_paths, live_paths, _ = writers
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="bfloat16", device_map=DISK_MAP, offload_folder=tmp_path / "offload"
+    )
+    assert model.device_map["model.layers.1"] == "disk"
+    assert not os.path.exists(dead_paths[1])
+    assert os.path.exists(live_paths[1])
+
+
+def test_killed_gguf_cache_write_leaves_a_temporary_the_next_load_removes(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        import tierlm.weights.gguf_cache as gc
+        def dying(path, shapes, dtype, tensors):
+            path.write_bytes(b"the header and half a tensor")
+            os.kill(os.getpid(), signal.SIGKILL)
+        gc.write_safetensors = dying
+        gc.ensure(gc.Path({str(gguf)!r}), torch.float32)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -9
+    folder = gguf_cache.cache_dir(gguf)
+    (leftover,) = [p for p in folder.iterdir() if ".tmp-" in p.name]
+    assert leftover.name.startswith(".weights-float32.safetensors.tmp-")
+    gguf_cache.ensure(gguf, torch.float32)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "source.json",
+        "weights-float32.safetensors",
+    ]
+
+
+def test_a_reused_pid_does_not_keep_a_dead_writers_temporary(tmp_path):
+    """The pid is alive (this very process) but started at another time: the writer is gone."""
+    pid, start = os.getpid(), process_start(os.getpid())
+    assert start is not None
+    reused = tmp_path / f".weights-float32.safetensors.tmp-{pid}-{start - 1}"
+    mine = temporary(tmp_path / "weights-float32.safetensors")
+    reused.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert remove_stale_temporaries(tmp_path) == [reused]
+    assert mine.exists() and mine.name == f".weights-float32.safetensors.tmp-{pid}-{start}"
