@@ -307,7 +307,6 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param)
     (CHAT, {**GOOD, "max_tokens": 0}, "max_tokens"),
     (CHAT, {**GOOD, "max_tokens": 2.5}, "max_tokens"),
     (CHAT, {**GOOD, "n": 2}, "n"),
-    (CHAT, {**GOOD, "model": "gpt-4"}, "model"),
     (CHAT, {**GOOD, "stream": "yes"}, "stream"),
     (CHAT, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (CHAT, {**GOOD, "messages": []}, "messages"),
@@ -394,7 +393,7 @@ def long_stream(live: Live) -> Iterator[Iterator[str]]:
         yield sse_events(r)
 
 
-def test_full_queue_is_503(narrow):
+def test_full_queue_is_503_with_retry_after(narrow):
     with ThreadPoolExecutor(1) as pool, long_stream(narrow):
         body = {"model": NAME, "prompt": "queued", "max_tokens": 2}
         queued = pool.submit(
@@ -403,6 +402,7 @@ def test_full_queue_is_503(narrow):
         narrow.wait_for(lambda s: s["queued"] == 1)
         response = httpx.post(f"{narrow.url}/v1/completions", json=body, trust_env=False)
         assert check_error(response, 503)["code"] == "queue_full"
+        assert int(response.headers["Retry-After"]) >= 1
     assert queued.result().status_code == 200  # ran once the long stream went away
 
 
@@ -486,7 +486,7 @@ def test_sigterm_ends_running_and_queued_requests_with_a_shutdown_error(tiny_dir
 
 @pytest.mark.slow
 def test_default_model_chat_completion():
-    model = tierlm.load()
+    model = tierlm.load(dtype="float32")  # not the machine's automatic choice (issue 11)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     rendered = model.tokenizer.apply_chat_template(messages)
     prompt_tokens = len(model.tokenizer.encode(rendered, add_special_tokens=False))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
 from tierlm.server.batcher import Scheduler
@@ -64,12 +65,28 @@ def build_app(
         await asyncio.to_thread(scheduler.stop)
 
     name = model_name or default_model_name(model)
-    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
     app.include_router(router)
+    app.openapi = lambda: app.openapi_schema or _openapi_schema(app, name)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
+
+
+def _openapi_schema(app: FastAPI, model_name: str) -> dict:
+    """FastAPI's schema without its 422 answers (validation errors are 400s in the OpenAI shape), with the
+    served model's name as the example of every `model` field."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for operation in (op for path in schema["paths"].values() for op in path.values()):
+        operation["responses"].pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    for request in ("ChatCompletionRequest", "CompletionRequest"):
+        components[request]["properties"]["model"]["examples"] = [model_name]
+    app.openapi_schema = schema
+    return schema
 
 
 class DrainingServer(uvicorn.Server):
@@ -121,9 +138,10 @@ def run_server(
 
 
 def _log_to_stderr(level: str) -> None:
-    """Show the server's own log lines (batch sizes) next to uvicorn's, unless logging is set up already."""
-    if not logger.handlers and not logging.getLogger().handlers:
+    """Show the server's own log lines next to uvicorn's, through a handler of its own only when none of
+    its ancestors (the CLI's `tierlm` logger, the root) has one: a second handler prints every line twice."""
+    logger.setLevel(level.upper())
+    if not logger.hasHandlers():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(level.upper())

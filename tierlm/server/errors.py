@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-logger = logging.getLogger("tierlm.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -24,6 +21,7 @@ _TYPES = {
 }
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
+RETRY_AFTER_S = 1  # what a client told the queue is full should wait before it tries again
 
 
 class APIError(Exception):
@@ -33,6 +31,14 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code if code is not None else _CODES.get(status)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self.status == 401:
+            return {"WWW-Authenticate": "Bearer"}
+        if self.code == "queue_full":
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return None
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -47,8 +53,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers)
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, err.headers)
 
 
 def _param(loc: tuple) -> str | None:
@@ -58,19 +63,22 @@ def _param(loc: tuple) -> str | None:
         if isinstance(part, int):
             out += f"[{part}]"
         elif "[" in part or part.split("-")[0] in _TYPE_TAGS:
-            break  # a union member's tag, not a field
+            continue  # a union member's tag, not a field
         else:
             out += f".{part}" if out else part
     return out or None
 
 
-def _short(value: object, limit: int = 80) -> str:
+def short_repr(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters: error messages quote what the client sent."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # Of a union's errors, the one that is more than "not this type" says what is wrong.
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
@@ -81,7 +89,7 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
         if isinstance(first.get("input"), bytes):  # not parsed: JSON needs its content type (CSRF guard)
             message += " sent with the header 'Content-Type: application/json'"
     elif param and first.get("type") != "missing":
-        message = f"{param}: {message}, got {_short(first.get('input'))}"
+        message = f"{param}: {message}, got {short_repr(first.get('input'))}"
     elif param:
         message = f"{param} is required"
     return error_response(APIError(400, message, param))
@@ -101,7 +109,7 @@ async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error", exc_info=exc)
+    # Starlette re-raises the exception after this answer, and uvicorn logs its traceback once.
     return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"), 500)
 
 
@@ -116,7 +124,8 @@ class GuardMiddleware:
     """Checks the API key on /v1 routes and caps the request body before the app sees it."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_key = None if api_key is None else api_key.encode("utf-8", "surrogateescape")  # argv bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,9 +143,9 @@ class GuardMiddleware:
         await self.app(scope, _replay(messages, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key or "")
+        """Compared as bytes in constant time: a header may carry any byte, a str compare would raise."""
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
 
     async def _read_body(self, scope: Scope, receive: Receive) -> list[Message] | None:
         """The body messages, or None when the body is over the limit (drained so the client reads a 413)."""

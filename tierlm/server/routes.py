@@ -14,7 +14,17 @@ from fastapi.responses import JSONResponse
 from tierlm.server.batcher import QueueFull, Request, Sampling, Scheduler, ShuttingDown
 from tierlm.server.errors import APIError
 from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
-from tierlm.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from tierlm.server.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    Health,
+    ModelCard,
+    ModelList,
+    _Common,
+)
 
 if TYPE_CHECKING:
     from tierlm.model import Model
@@ -38,13 +48,49 @@ class ServerState:
 
 
 router = APIRouter()
+_ERRORS = {
+    400: "Invalid request: not JSON, a missing field, a value of the wrong type or out of range (these are "
+    "400s, never 422s), or a field the server cannot honour (`param` names it)",
+    401: "Missing or wrong API key, when the server was started with one",
+    404: "The model does not exist (code `model_not_found`)",
+    413: "The request body is over the server's limit",
+    500: "Generation failed",
+    503: "The queue is full (code `queue_full`, retry after `Retry-After` seconds) "
+    "or the server is shutting down (code `server_shutting_down`)",
+}
+_EVENT = {  # one server-sent event (OpenAPI before 3.2 has `schema` describe each event of a stream)
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "A JSON chunk (`chat.completion.chunk` or `text_completion`), or an error body, "
+            "then `[DONE]`",
+        }
+    },
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait (queue_full)", "schema": {"type": "integer"}}}
+
+
+def _documented(success: type, *statuses: int, stream: bool = False) -> dict:
+    """OpenAPI `responses`: the 200 body (or event stream) and each error status in the OpenAI shape."""
+    ok: dict = {"model": success, "description": "Success"}
+    if stream:
+        ok["description"] = "The answer; with `stream: true`, server-sent events ending in `data: [DONE]`"
+        ok["content"] = {"text/event-stream": {"schema": _EVENT}}
+    out: dict = {200: ok}
+    for status in statuses:
+        out[status] = {"model": ErrorBody, "description": _ERRORS[status]}
+    if 503 in statuses:
+        out[503]["headers"] = _RETRY_AFTER
+    return out
 
 
 def _state(http: HTTPRequest) -> ServerState:
     return http.app.state.tierlm
 
 
-@router.get("/health")
+@router.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
 async def health(http: HTTPRequest) -> JSONResponse:
     state = _state(http)
     if state.scheduler.draining:
@@ -57,29 +103,33 @@ async def stats(http: HTTPRequest) -> dict:
     return _state(http).scheduler.stats()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=_documented(ModelList, 401))
 async def list_models(http: HTTPRequest) -> dict:
     return {"object": "list", "data": [_model_card(_state(http))]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model=None, responses=_documented(ModelCard, 401, 404))
 async def get_model(model_id: str, http: HTTPRequest) -> dict:
     state = _state(http)
-    if model_id != state.model_name:
-        raise APIError(
-            404,
-            f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    _check_model(state, model_id)
     return _model_card(state)
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        message = f"model {name!r} does not exist; this server serves {state.model_name!r}"
+        raise APIError(404, message, "model", "model_not_found")
 
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=_documented(Completion, 400, 401, 404, 413, 500, 503, stream=True),
+)
 async def completions(body: CompletionRequest, http: HTTPRequest):
     state = _state(http)
     _check_common(state, body)
@@ -95,7 +145,11 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     return await _respond(state, http, body, ids, max_tokens, reply)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=_documented(ChatCompletion, 400, 401, 404, 413, 500, 503, stream=True),
+)
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state = _state(http)
     _check_common(state, body)
@@ -116,9 +170,7 @@ def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
 
 
 def _check_common(state: ServerState, body: _Common) -> None:
-    if body.model != state.model_name:
-        message = f"model {body.model!r} does not exist; this server serves {state.model_name!r}"
-        raise APIError(400, message, "model", "model_not_found")
+    _check_model(state, body.model)
     body.check_supported()
 
 

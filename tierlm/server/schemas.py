@@ -1,14 +1,58 @@
-"""Request bodies of the OpenAI-compatible API, validated strictly (bad types are errors, not coerced)."""
+"""Request and response bodies of the OpenAI-compatible API. Requests are validated strictly (bad types are
+errors, not coerced), and every OpenAI field the server cannot honour is refused unless it is at its default."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
-from tierlm.server.errors import APIError
+from tierlm.server.errors import APIError, short_repr
 
 MAX_STOPS = 4  # as OpenAI's API
+NO_TOOLS = "is not supported: this server does not call tools"
+NO_LOGPROBS = "is not supported: this server does not return log probabilities"
+# Other servers' sampling extensions to OpenAI's API: they would change the output, so they are refused.
+EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "use_beam_search",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def _valid_unicode(text: str) -> str:
+    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON): it is not text any tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PydanticCustomError(
+            "lone_surrogate",
+            "contains a lone UTF-16 surrogate at character {index}; send valid Unicode text",
+            {"index": err.start},
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def refuse_unless_default(body: BaseModel, limits: dict[str, tuple[tuple, str]], prefix: str = "") -> None:
+    """Raise a 400 naming the first field set to a value the server cannot honour.
+
+    `limits` maps a field to the values it honours besides null (its defaults) and why others are refused.
+    """
+    for name, (honoured, why) in limits.items():
+        value = getattr(body, name)
+        if value is not None and value not in honoured:
+            raise APIError(400, f"{prefix}{name} {why}, got {short_repr(value)}", f"{prefix}{name}")
 
 
 class StreamOptions(BaseModel):
@@ -18,9 +62,15 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share; unknown OpenAI fields are accepted and ignored."""
+    """Fields both endpoints share; fields unknown to OpenAI's API are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "n": ((1,), "must be 1: one choice per request is supported"),
+        "presence_penalty": ((0,), "is not supported: send 0 or leave it out"),
+        "frequency_penalty": ((0,), "is not supported: send 0 or leave it out"),
+        "logit_bias": (({},), "is not supported"),
+    }
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -28,23 +78,21 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted: only a label
 
     def check_supported(self) -> None:
         """Reject values the server cannot honour rather than silently ignoring them."""
-        if self.n not in (None, 1):
-            raise APIError(400, f"n must be 1 (only one choice per request is supported), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(400, f"{name} is not supported; send 0 or leave it out", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        refuse_unless_default(self, self.LIMITS)
+        for name in EXTENSIONS:
+            if (self.model_extra or {}).get(name) is not None:
+                message = f"{name} is not supported (an extension of other servers to OpenAI's API)"
+                raise APIError(400, f"{message}, got {short_repr(self.model_extra[name])}", name)
         self.stops()
 
     def stops(self) -> tuple[str, ...]:
@@ -61,22 +109,19 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_Common.LIMITS,
+        "echo": ((False,), "is not supported: the answer does not repeat the prompt"),
+        "best_of": ((1,), "must be 1: one candidate per request is supported"),
+        "logprobs": ((), NO_LOGPROBS),
+        "suffix": (("",), "is not supported: this server does not insert text"),
+    }
+
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool | None = False
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of must be 1, got {self.best_of}", "best_of")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: text or token ids."""
@@ -94,14 +139,28 @@ class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "name": ((), "is not supported: the chat template has no place for it"),
+        "tool_calls": (([],), NO_TOOLS),
+        "tool_call_id": ((), NO_TOOLS),
+        "function_call": ((), NO_TOOLS),
+        "audio": ((), "is not supported: this server only reads and writes text"),
+        "refusal": ((), "is not supported: send the text as content"),
+    }
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    refusal: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
@@ -111,20 +170,136 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_Common.LIMITS,
+        "logprobs": ((False,), NO_LOGPROBS),
+        "top_logprobs": ((), "is not supported: it needs logprobs, which this server does not return"),
+        "response_format": (({"type": "text"},), "must be {'type': 'text'}: output is not constrained"),
+        "tools": (([],), NO_TOOLS),
+        "tool_choice": (("none",), "must be 'none': this server does not call tools"),
+        "functions": (([],), NO_TOOLS),
+        "function_call": (("none",), "must be 'none': this server does not call tools"),
+        "modalities": ((["text"],), "must be ['text']: this server only writes text"),
+        "audio": ((), "is not supported: this server only writes text"),
+        "service_tier": (("auto", "default"), "must be 'auto' or 'default': this server has one tier"),
+        "reasoning_effort": ((), "is not supported: the model has no reasoning mode"),
+        "verbosity": ((), "is not supported: the model has no verbosity setting"),
+        "web_search_options": ((), "is not supported: this server does not search the web"),
+    }
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: no tools are ever called
+    functions: list[dict] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    # accepted, with no effect on the answer: a latency hint and OpenAI-side bookkeeping
+    prediction: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must contain at least one message", "messages")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        for i, message in enumerate(self.messages):
+            refuse_unless_default(message, message.LIMITS, f"messages[{i}].")
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses: documented in /openapi.json, built as plain dicts by responses.py ------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error: `{"error": {...}}` as OpenAI's API answers it."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Answer(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Answer):
+    """The non-streamed chat answer; with `"stream": true` the answer is server-sent events instead."""
+
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(_Answer):
+    """The non-streamed completion; with `"stream": true` the answer is server-sent events instead."""
+
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """`status` is "ok", or "shutting_down" (with a 503) once the server drains."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok", "shutting_down"]
+    model: str

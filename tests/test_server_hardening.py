@@ -1,0 +1,273 @@
+"""What an outside probe of the server found (issue 18): no silently ignored fields, no 500s, 404 for an
+unknown model, one log line per event, and a served /openapi.json that schemathesis holds the server to."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import hypothesis
+import pytest
+import requests
+import schemathesis
+from conftest import write_tiny_checkpoint
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from test_server import KEY, NAME, Live, check_error, free_port, serve, write_tokenizer
+
+import tierlm
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+SMALL_CONTEXT = 48  # every answer the fuzzer asks for stays short
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    """A 2-layer random model with the served tokenizer and a 48-token context."""
+    folder = tmp_path_factory.mktemp("hardening") / "tiny"
+    write_tiny_checkpoint(folder, "mistral", {"max_position_embeddings": SMALL_CONTEXT})
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def live(small_dir) -> Iterator[Live]:
+    with serve(tierlm.load(small_dir, dtype="float32"), api_key=KEY, max_batch_size=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(live) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=live.url, headers=headers, trust_env=False, timeout=60) as client:
+        yield client
+
+
+def chat_body(**fields) -> dict:
+    return {"model": NAME, "messages": MESSAGES, "max_tokens": 2, **fields}
+
+
+def completion_body(**fields) -> dict:
+    return {"model": NAME, "prompt": "hi", "max_tokens": 2, **fields}
+
+
+# --- fields the server cannot honour are refused, naming the field -------------------------------------------
+
+UNHONOURED = [  # (path, body, the param the error names)
+    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format"),
+    (
+        CHAT,
+        chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        "response_format",
+    ),
+    (CHAT, chat_body(tool_choice="auto"), "tool_choice"),
+    (CHAT, chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (CHAT, chat_body(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    (CHAT, chat_body(function_call="auto"), "function_call"),
+    (CHAT, chat_body(top_logprobs=2), "top_logprobs"),
+    (CHAT, chat_body(modalities=["text", "audio"]), "modalities"),
+    (CHAT, chat_body(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    (CHAT, chat_body(service_tier="priority"), "service_tier"),
+    (CHAT, chat_body(reasoning_effort="high"), "reasoning_effort"),
+    (CHAT, chat_body(verbosity="low"), "verbosity"),
+    (CHAT, chat_body(web_search_options={}), "web_search_options"),
+    (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages[0].name"),
+    (CHAT, chat_body(top_k=1), "top_k"),
+    (COMPLETIONS, completion_body(min_p=0.1), "min_p"),
+    (COMPLETIONS, completion_body(repetition_penalty=1.3), "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", UNHONOURED, ids=[f"{p}:{param}" for p, _, param in UNHONOURED])
+def test_field_the_server_cannot_honour_is_400_naming_it(http, path, body, param):
+    error = check_error(http.post(path, json=body), 400, param)
+    assert error["message"].startswith(param)
+
+
+def test_fields_at_their_default_or_without_effect_are_accepted(http):
+    harmless = dict(
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=True,
+        logprobs=False,
+        n=1,
+        presence_penalty=0,
+        modalities=["text"],
+        service_tier="auto",
+        user="u-1",
+        store=False,
+        metadata={"run": "7"},
+        prediction={"type": "content", "content": "hello"},
+    )
+    response = http.post(CHAT, json=chat_body(**harmless))
+    assert response.status_code == 200, response.text
+    response = http.post(COMPLETIONS, json=completion_body(echo=False, best_of=1, suffix="", user="u-1"))
+    assert response.status_code == 200, response.text
+
+
+# --- no 500s ------------------------------------------------------------------------------------------------
+
+SURROGATE = b'"a\\ud800b"'  # JSON for a lone UTF-16 surrogate: valid JSON, not valid Unicode
+SURROGATE_BODIES = [  # (path, body with SURROGATE in place of "@", param)
+    (COMPLETIONS, b'{"model": "tiny", "prompt": @, "max_tokens": 2}', "prompt"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": [@], "max_tokens": 2}', "prompt[0]"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": @}]}', "messages[0].content"),
+    (
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": @}]}]}',
+        "messages[0].content[0].text",
+    ),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": @}', "stop"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATE_BODIES, ids=[p for *_, p in SURROGATE_BODIES])
+def test_lone_surrogate_is_400_naming_the_field(http, path, raw, param):
+    response = http.post(
+        path, content=raw.replace(b"@", SURROGATE), headers={"Content-Type": "application/json"}
+    )
+    assert "surrogate" in check_error(response, 400, param)["message"]
+    assert http.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "token", [b"Bearer s\xe9cret", b"Bearer " + KEY.encode() + b"\xff", b"bearer \xe9\xe9"]
+)
+def test_non_ascii_api_key_is_401_and_the_server_stays_healthy(live, http, token):
+    response = httpx.post(
+        f"{live.url}{CHAT}", json=chat_body(), headers={"Authorization": token}, trust_env=False
+    )
+    assert check_error(response, 401)["code"] == "invalid_api_key"
+    assert http.post(CHAT, json=chat_body()).status_code == 200
+
+
+def test_non_ascii_api_key_that_matches_is_accepted(small_dir):
+    with serve(tierlm.load(small_dir, dtype="float32"), api_key="s\xe9cret") as s:
+        token = "Bearer s\xe9cret".encode()
+        response = httpx.post(
+            f"{s.url}{CHAT}", json=chat_body(), headers={"Authorization": token}, trust_env=False
+        )
+    assert response.status_code == 200, response.text
+
+
+# --- small ones ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body", [(CHAT, chat_body(model="gpt-4")), (COMPLETIONS, completion_body(model="x"))]
+)
+def test_unknown_model_is_404_model_not_found(http, path, body):
+    error = check_error(http.post(path, json=body), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert check_error(http.get(f"/v1/models/{body['model']}"), 404, "model")["code"] == "model_not_found"
+
+
+def test_openapi_documents_openai_errors_instead_of_422(live):
+    schema = httpx.get(f"{live.url}/openapi.json", trust_env=False).json()  # served without the key
+    operations = [op for path in schema["paths"].values() for op in path.values()]
+    assert len(operations) == 6 and not [op for op in operations if "422" in op["responses"]]
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    for path in (CHAT, COMPLETIONS):
+        responses = schema["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404", "413", "503"):
+            assert responses[status]["content"]["application/json"]["schema"] == error_ref, (path, status)
+        assert "text/event-stream" in responses["200"]["content"]
+    assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["examples"] == [
+        NAME
+    ]
+
+
+def test_serve_prints_each_log_line_once(small_dir):
+    """The CLI gives the `tierlm` logger a handler; the server's lines must not get a second one."""
+    port = free_port()
+    command = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(small_dir), "--dtype", "float32"]
+    proc = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = stderr.splitlines()
+    assert sum("serving tiny" in line for line in lines) == 1, stderr
+    assert sum("shutting down" in line for line in lines) == 1, stderr
+
+
+# --- schemathesis against the served schema -----------------------------------------------------------------
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+
+
+def name_the_served_model(case: schemathesis.Case) -> None:
+    """Address the served model, or every generated request is a 404 for a random model name."""
+    if isinstance(case.body, dict):
+        case.body["model"] = NAME
+
+
+WELL_FORMED = {  # answers that run, streamed or not: bodies the fuzzer rarely writes
+    COMPLETIONS: [completion_body(), completion_body(stream=True)],
+    CHAT: [chat_body(), chat_body(stream=True, stream_options={"include_usage": True})],
+}
+
+
+def fuzz(operation, url: str, session: requests.Session) -> list[int]:
+    """The statuses of 20 generated requests and the WELL_FORMED ones, each answer held to CHECKS."""
+    statuses = []
+
+    @hypothesis.settings(
+        max_examples=20,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(case=operation.as_strategy())
+    def check(case: schemathesis.Case) -> None:
+        name_the_served_model(case)
+        response = case.call_and_validate(base_url=url, session=session, checks=CHECKS)
+        statuses.append(response.status_code)
+
+    for body in WELL_FORMED.get(operation.path, []):
+        check = hypothesis.example(case=operation.Case(body=body, media_type="application/json"))(check)
+    check()
+    return statuses
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(live):
+    """20 generated requests per operation, valid by the served schema (a 48-token context keeps answers
+    short); every answer must be a documented status, content type and body, and none a 5xx."""
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{live.url}/openapi.json", trust_env=False).json())
+    session = requests.Session()
+    session.trust_env = False
+    session.headers["Authorization"] = f"Bearer {KEY}"
+    statuses = [s for op in schema.get_all_operations() for s in fuzz(op.ok(), live.url, session)]
+    assert statuses and all(s < 500 for s in statuses)
+    assert statuses.count(200) >= 10 and 400 in statuses
