@@ -1,4 +1,4 @@
-"""`tierlm generate | chat | plan | bench | serve`: argument parsing and printing only."""
+"""`tierlm generate | chat | plan | bench | serve | cache`: argument parsing and printing only."""
 
 from __future__ import annotations
 
@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-scope", choices=("model", "layer"))
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--api-key")
+
+    cache = sub.add_parser("cache", help="list or clear tierlm's cache folder ($TIERLM_CACHE_DIR)")
+    cache.add_argument(
+        "action", choices=("list", "clear"), help="list: entries and sizes; clear: remove them"
+    )
+    cache.add_argument(
+        "--stale",
+        action="store_true",
+        help="clear only what killed processes left behind (a live process's writes are never removed)",
+    )
     return parser
 
 
@@ -295,12 +305,48 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from tierlm.cache_folder import cache_entries, clear_cache
+    from tierlm.placement.device_map import format_bytes
+    from tierlm.weights.gguf_cache import cache_root
+
+    root = cache_root()
+    if args.action == "list":
+        print(cache_listing(root, cache_entries(root)))
+        return 0
+
+    def progress(entry) -> None:
+        status(f"tierlm: removing {entry.path} ({format_bytes(entry.nbytes)})")
+
+    removed, kept = clear_cache(root, stale_only=args.stale, progress=progress)
+    busy = [e for e in kept if e.live_writer is not None]
+    freed = format_bytes(sum(e.nbytes for e in removed))
+    note = f"; kept {len(busy)} being written by live processes" if busy else ""
+    status(f"tierlm: removed {len(removed)} entries ({freed}) from {root}{note}")
+    return 0
+
+
+def cache_listing(root: Path, entries) -> str:
+    """The text of `tierlm cache list`: one line per entry, then the total."""
+    from tierlm.placement.device_map import format_bytes
+
+    lines = [f"cache folder: {root}" + ("" if root.is_dir() else " (does not exist)")]
+    for e in entries:
+        lines.append(f"  {format_bytes(e.nbytes):>10}  {e.path.relative_to(root)}  {e.about}")
+    stale = [e for e in entries if e.stale]
+    total = f"total: {format_bytes(sum(e.nbytes for e in entries))} in {len(entries)} entries"
+    if stale:
+        total += f" ({len(stale)} left by killed processes: tierlm cache clear --stale removes them)"
+    return "\n".join([*lines, total])
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "chat": cmd_chat,
     "plan": cmd_plan,
     "bench": cmd_bench,
     "serve": cmd_serve,
+    "cache": cmd_cache,
 }
 
 

@@ -1,0 +1,98 @@
+"""`tierlm cache list | clear` on a real cache folder: entries with their sizes, a total, and a clear that
+never removes what a live process is writing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cache_temporaries import DISK_MAP, start_writer, write_tiny_gguf
+
+import tierlm
+from tierlm.cache_folder import tree_size
+from tierlm.placement.device_map import format_bytes
+from tierlm.weights import gguf_cache
+
+
+def tierlm_cli(*args, cache: str):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TIERLM_CACHE_DIR": cache}
+    return subprocess.run(
+        [sys.executable, "-m", "tierlm.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+@pytest.fixture
+def cache(tmp_path, tiny_checkpoints, monkeypatch):
+    """A cache folder filled by real loads (a GGUF's dequantized weights, a disk-offloaded checkpoint), some
+    compiled kernels, a killed writer's temporary and a live writer's one."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(root))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    gguf_cache.ensure(gguf, torch.float32)
+    tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16", device_map=DISK_MAP)
+    (root / "inductor" / "kernels").mkdir(parents=True)
+    (root / "inductor" / "kernels" / "step.so").write_bytes(bytes(5000))
+    target = root / "offload" / "0123456789abcdef0123"
+    dead, (dead_tmp,) = start_writer(target)
+    dead.kill()
+    dead.wait()
+    live, (live_tmp,) = start_writer(gguf_cache.cache_dir(gguf) / "weights-bfloat16.safetensors")
+    yield root, dead_tmp, live_tmp, live.pid
+    live.kill()
+    live.wait()
+
+
+def test_cache_list_shows_each_entry_with_its_size_and_the_total(cache, tiny_checkpoints):
+    root, dead_tmp, live_tmp, live_pid = cache
+    proc = tierlm_cli("cache", "list", cache=str(root))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"cache folder: {root}"
+    (gguf,) = [line for line in lines if " gguf/" in line and ".tmp-" not in line]
+    weights = next((root / "gguf").iterdir()) / "weights-float32.safetensors"
+    assert f"tiny.gguf: weights float32 ({format_bytes(weights.stat().st_size)})" in gguf
+    (offload,) = [line for line in lines if " offload/" in line and ".tmp-" not in line]
+    assert "bfloat16 weights of" in offload and str(tiny_checkpoints["llama"]) in offload
+    assert any(" inductor " in line and "5.0 KB" in line for line in lines)
+    (killed,) = [line for line in lines if os.path.basename(dead_tmp) in line]
+    assert "which is gone" in killed
+    (writing,) = [line for line in lines if os.path.basename(live_tmp) in line]
+    assert f"being written by process {live_pid}" in writing
+    assert lines[-1].startswith(f"total: {format_bytes(tree_size(root))} in 5 entries (1 left by killed")
+
+
+def test_cache_clear_stale_removes_only_what_killed_writers_left(cache):
+    root, dead_tmp, live_tmp, _ = cache
+    before = {p for p in root.rglob("*") if ".tmp-" not in str(p)}
+    proc = tierlm_cli("cache", "clear", "--stale", cache=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"tierlm: removing {dead_tmp} ({format_bytes(13)})",
+        f"tierlm: removed 1 entries ({format_bytes(13)}) from {root}; kept 1 being written by live processes",
+    ]
+    assert not os.path.exists(dead_tmp) and os.path.exists(live_tmp)
+    assert {p for p in root.rglob("*") if ".tmp-" not in str(p)} == before
+
+
+def test_cache_clear_removes_everything_but_a_live_writers_temporary(cache):
+    root, dead_tmp, live_tmp, _ = cache
+    proc = tierlm_cli("cache", "clear", cache=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("tierlm: removed 4 entries (")
+    assert sum(line.startswith("tierlm: removing ") for line in proc.stderr.splitlines()) == 4
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert left == [os.path.relpath(live_tmp, root)]
+    listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
+    assert listing[-1] == f"total: {format_bytes(13)} in 1 entries"
+
+
+def test_cache_list_of_a_missing_folder_says_so(tmp_path):
+    proc = tierlm_cli("cache", "list", cache=str(tmp_path / "none"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"cache folder: {tmp_path / 'none'} (does not exist)",
+        "total: 0 B in 0 entries",
+    ]

@@ -1,0 +1,160 @@
+"""What tierlm keeps in its cache folder (gguf_cache.cache_root()): the entries, their sizes, removing them.
+
+The folder holds gguf/<key>/ (dequantized GGUF weights per dtype and the tokenizer), offload/<key>/ (disk
+offloaded weights converted to the compute dtype or packed int8/int4), inductor/ (compiled kernels), and
+temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
+writer's are never removed, a dead writer's are leftovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierlm.placement.device_map import format_bytes
+from tierlm.weights.temporaries import remove, writer_alive, writer_of
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One removable thing in the cache folder."""
+
+    path: Path
+    kind: str  # "gguf", "offload", "inductor", "temporary" or "other"
+    nbytes: int
+    about: str  # what it holds, in words
+    live_writer: int | None = None  # pid of the live process writing it (temporaries only)
+
+    @property
+    def stale(self) -> bool:
+        """A temporary its (killed) writer left behind."""
+        return self.kind == "temporary" and self.live_writer is None
+
+
+def cache_entries(root: Path) -> list[CacheEntry]:
+    """Every entry under `root`, in path order; [] when the folder does not exist."""
+    entries: list[CacheEntry] = []
+    for path in _children(root):
+        if path.name in ("gguf", "offload") and path.is_dir() and not path.is_symlink():
+            for child in _children(path):
+                entries.extend(_entries_of(child, path.name))
+        elif path.name == "inductor" and path.is_dir():
+            entries.append(CacheEntry(path, "inductor", tree_size(path), "compiled kernels (torch inductor)"))
+        else:
+            entries.extend(_entries_of(path, "other"))
+    return entries
+
+
+def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
+    """The entry for `path`, and for a GGUF cache folder the temporaries inside it as entries of their own."""
+    if writer_of(path) is not None:
+        return [_temporary(path)]
+    if kind == "gguf" and path.is_dir():
+        children = _children(path)
+        inside = [_temporary(p) for p in children if writer_of(p) is not None]
+        if len(inside) == len(children):  # only a write in progress: the temporary is the entry
+            return inside
+        size = tree_size(path) - sum(e.nbytes for e in inside)
+        return [CacheEntry(path, kind, size, _describe_gguf(path)), *inside]
+    if kind == "offload" and path.is_dir():
+        return [CacheEntry(path, kind, tree_size(path), _describe_offload(path))]
+    return [CacheEntry(path, kind, tree_size(path), "not written by this tierlm version")]
+
+
+def _temporary(path: Path) -> CacheEntry:
+    pid, start = writer_of(path)
+    alive = writer_alive(pid, start)
+    about = f"being written by process {pid}" if alive else f"left by process {pid}, which is gone"
+    return CacheEntry(path, "temporary", tree_size(path), about, pid if alive else None)
+
+
+def _describe_gguf(folder: Path) -> str:
+    """ "SmolLM2.gguf: weights bfloat16 (270.0 MB), tokenizer (2.2 MB)"."""
+    try:
+        source = Path(json.loads((folder / "source.json").read_text())["gguf"]).name
+    except (OSError, ValueError, KeyError, TypeError):
+        source = "unknown GGUF file"
+    parts = [
+        f"weights {f.name.removeprefix('weights-').removesuffix('.safetensors')} ({format_bytes(_size(f))})"
+        for f in sorted(folder.glob("weights-*.safetensors"))
+    ]
+    tokenizer = _size(folder / "tokenizer.json") + _size(folder / "tokenizer-meta.json")
+    if tokenizer:
+        parts.append(f"tokenizer ({format_bytes(tokenizer)})")
+    return f"{source}: {', '.join(parts) or 'no weights yet'}"
+
+
+def _describe_offload(folder: Path) -> str:
+    """ "bfloat16 weights of 9 tensors from /models/x" or "int8 packed units: model.layers.1"."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return "incomplete (no manifest): rebuilt on next use"
+    dtype = str(manifest.get("dtype", "?")).removeprefix("torch.")
+    if "mode" in manifest:
+        return f"{manifest['mode']} packed {dtype} units: {', '.join(manifest.get('units', []))}"
+    source = f" from {manifest['source']}" if "source" in manifest else ""
+    return f"{dtype} weights of {len(manifest.get('tensors', []))} tensors{source}"
+
+
+def clear_cache(
+    root: Path, stale_only: bool = False, progress=None
+) -> tuple[list[CacheEntry], list[CacheEntry]]:
+    """Remove the cache's entries (only dead writers' leftovers when `stale_only`); never a temporary a live
+    process is writing. Returns (removed, kept). progress(entry) is called before each removal."""
+    removed, kept = [], []
+    for entry in cache_entries(root):
+        if entry.live_writer is not None or (stale_only and not entry.stale):
+            kept.append(entry)
+            continue
+        if progress is not None:
+            progress(entry)
+        _remove_entry(entry)
+        removed.append(entry)
+    for folder in (root / "gguf", root / "offload"):
+        _remove_if_empty(folder)
+    return removed, kept
+
+
+def _remove_entry(entry: CacheEntry) -> None:
+    """A GGUF cache folder goes file by file, so that a live writer's temporary inside it stays."""
+    if entry.kind != "gguf" or not entry.path.is_dir():
+        remove(entry.path)
+        return
+    for child in _children(entry.path):
+        if writer_of(child) is None:
+            remove(child)
+    _remove_if_empty(entry.path)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (a live writer's temporary) or already gone
+        pass
+
+
+def tree_size(path: Path) -> int:
+    """Bytes in a file or a folder tree (symlinks count as themselves, never followed)."""
+    if not path.is_dir() or path.is_symlink():
+        return _size(path)
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        total += sum(_size(Path(folder) / f) for f in files)
+    return total
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:  # removed meanwhile
+        return 0
+
+
+def _children(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
