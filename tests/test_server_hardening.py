@@ -233,13 +233,21 @@ def name_the_served_model(case: schemathesis.Case) -> None:
 
 
 WELL_FORMED = {  # answers that run, streamed or not: bodies the fuzzer rarely writes
-    COMPLETIONS: [completion_body(), completion_body(stream=True)],
-    CHAT: [chat_body(), chat_body(stream=True, stream_options={"include_usage": True})],
+    COMPLETIONS: [
+        completion_body(),
+        completion_body(prompt=[5, 6, 7], stream=True, stream_options={"include_usage": True}),
+        completion_body(prompt=["hi"], stop=["x"], temperature=0.5, seed=1),
+    ],
+    CHAT: [
+        chat_body(),
+        chat_body(stream=True, stream_options={"include_usage": True}),
+        chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=None),
+    ],
 }
 
 
-def fuzz(operation, url: str, session: requests.Session) -> list[int]:
-    """The statuses of 20 generated requests and the WELL_FORMED ones, each answer held to CHECKS."""
+def fuzz(operation, url: str, session: requests.Session, mode: schemathesis.GenerationMode) -> list[int]:
+    """The statuses of 20 generated requests (and the WELL_FORMED ones), each answer held to CHECKS."""
     statuses = []
 
     @hypothesis.settings(
@@ -249,25 +257,30 @@ def fuzz(operation, url: str, session: requests.Session) -> list[int]:
         database=None,
         suppress_health_check=list(hypothesis.HealthCheck),
     )
-    @hypothesis.given(case=operation.as_strategy())
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def check(case: schemathesis.Case) -> None:
         name_the_served_model(case)
         response = case.call_and_validate(base_url=url, session=session, checks=CHECKS)
         statuses.append(response.status_code)
 
-    for body in WELL_FORMED.get(operation.path, []):
+    for body in WELL_FORMED.get(operation.path, []) if mode == schemathesis.GenerationMode.POSITIVE else []:
         check = hypothesis.example(case=operation.Case(body=body, media_type="application/json"))(check)
     check()
     return statuses
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(live):
-    """20 generated requests per operation, valid by the served schema (a 48-token context keeps answers
-    short); every answer must be a documented status, content type and body, and none a 5xx."""
+    """20 requests per operation valid by the served schema, and 20 invalid ones per POST (a 48-token context
+    keeps answers short): every answer is a documented status, content type and body, and none a 5xx."""
     schema = schemathesis.openapi.from_dict(httpx.get(f"{live.url}/openapi.json", trust_env=False).json())
     session = requests.Session()
     session.trust_env = False
     session.headers["Authorization"] = f"Bearer {KEY}"
-    statuses = [s for op in schema.get_all_operations() for s in fuzz(op.ok(), live.url, session)]
-    assert statuses and all(s < 500 for s in statuses)
-    assert statuses.count(200) >= 10 and 400 in statuses
+    operations = [result.ok() for result in schema.get_all_operations()]
+    valid, invalid = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
+    statuses = [s for op in operations for s in fuzz(op, live.url, session, valid)]
+    statuses += [
+        s for op in operations if op.method.upper() == "POST" for s in fuzz(op, live.url, session, invalid)
+    ]
+    assert not [s for s in statuses if s >= 500]
+    assert {200, 400, 404} <= set(statuses)
