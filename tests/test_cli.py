@@ -20,7 +20,10 @@ def tierlm(*args, stdin: str | None = None, timeout: int = 300):
 
 
 def test_generate_default_model_streams_text():
-    proc = tierlm("generate", "--chat", "--max-new-tokens", "16", "What is the capital of France?")
+    # the reply depends on the dtype, and "auto" is bf16 or fp32 depending on the CPU: pin it
+    proc = tierlm(
+        "generate", "--dtype", "float32", "--chat", "--max-new-tokens", "16", "What is the capital of France?"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "loading" in proc.stderr  # a status line while the model loads
@@ -112,19 +115,40 @@ def test_plan_counts_quantized_weights_at_their_packed_size():
     # q/k/v/o/gate/up/down at 4.5 bits per weight (codes + bf16 scale and zero per 32) plus the float norms
     assert 0.25 < int4_bytes[layer] / float_bytes[layer] < 0.32
     assert int4_bytes["lm_head"] > 0  # a tied LM head gets its own packed copy
-    proc = tierlm("plan", "--quantize", "int8", "--device-map", "auto", "--max-memory", "cpu=250MB")
+    # bf16 as in the library half above: "auto" is bf16 or fp32 depending on the CPU
+    proc = tierlm(
+        "plan",
+        "--dtype",
+        "bfloat16",
+        "--quantize",
+        "int8",
+        "--device-map",
+        "auto",
+        "--max-memory",
+        "cpu=250MB",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "int8 weights" in proc.stdout and "nothing (all weights resident)" in proc.stdout
+
+
+def test_max_memory_alone_implies_device_map_auto():
+    """Budgets only mean something to an inferred map: --max-memory alone is never silently ignored."""
+    implied = tierlm("plan", "--dtype", "float32", "--max-memory", "cpu=350MB")
+    assert implied.returncode == 0, implied.stderr
+    assert "disk" in implied.stdout and "streamed per token:" in implied.stdout
+    explicit = tierlm("plan", "--dtype", "float32", "--device-map", "auto", "--max-memory", "cpu=350MB")
+    assert implied.stdout == explicit.stdout
+    assert "implies --device-map auto" in " ".join(tierlm("generate", "--help").stdout.split())
 
 
 def test_chat_keeps_history_and_exits_on_eof():
     import tierlm as lib
 
     turns = ["Hi, my name is Ada.", "What is my name?"]
-    proc = tierlm("chat", "--max-new-tokens", "12", stdin="\n".join(turns) + "\n")
+    proc = tierlm("chat", "--dtype", "float32", "--max-new-tokens", "12", stdin="\n".join(turns) + "\n")
     assert proc.returncode == 0, proc.stderr
     replies = [r.rstrip("\n") for r in proc.stdout.split("> ")[1:3]]
-    model = lib.load()
+    model = lib.load(dtype="float32")  # exact tokens: the same fp32 on every CPU
     history = [
         {"role": "user", "content": turns[0]},
         {"role": "assistant", "content": replies[0]},

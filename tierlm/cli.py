@@ -21,7 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="execution device when no device map is given")
     p.add_argument("--device-map", help='JSON map such as {"model.layers.1": "disk", "": "cpu"}, or auto')
-    p.add_argument("--max-memory", help="budgets such as cpu=2GiB,0=20GiB (with --device-map auto)")
+    p.add_argument(
+        "--max-memory",
+        help="budgets such as cpu=2GiB,0=20GiB for the device map; implies --device-map auto when none is given",
+    )
     p.add_argument("--offload-folder", help="folder for disk-offloaded weights that need conversion")
     p.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization of the projections")
 
@@ -147,9 +150,10 @@ def load_model(args):
 
 
 def placement_kwargs(args) -> dict:
+    """Placement keywords for tierlm.load; --max-memory alone implies --device-map auto."""
     kwargs = {}
-    if getattr(args, "device_map", None):
-        dm = args.device_map
+    dm = getattr(args, "device_map", None) or ("auto" if getattr(args, "max_memory", None) else None)
+    if dm:
         kwargs["device_map"] = (
             dm if dm in ("auto", "balanced", "sequential") else _json_arg(dm, "--device-map")
         )
