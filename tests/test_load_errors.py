@@ -165,6 +165,10 @@ BROKEN_CONFIGS = {
         lambda cfg: json.dumps({**cfg, "eos_token_id": "</s>"}),
         'field "eos_token_id" must be a token id or a list of token ids, got "</s>"',
     ),
+    "dtype a list": (
+        lambda cfg: json.dumps({**cfg, "dtype": ["float32"]}),
+        'field "dtype" must be a dtype name such as "bfloat16", got ["float32"]',
+    ),
     "invalid JSON": (lambda cfg: json.dumps(cfg)[:-20], "is not valid JSON"),
     "a JSON list": (lambda cfg: "[1, 2]", "must hold a JSON object, got list"),
 }

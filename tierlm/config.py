@@ -110,7 +110,7 @@ class ModelConfig:
             bos_token_id=token_id(raw, "bos_token_id"),
             eos_token_ids=token_ids(raw, "eos_token_id"),
             pad_token_id=token_id(raw, "pad_token_id"),
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            torch_dtype=_dtype_name(raw),
         )
 
     @classmethod
@@ -242,6 +242,15 @@ def token_ids(raw: dict[str, Any], key: str) -> tuple[int, ...]:
     if not all(_is_int(v) and v >= 0 for v in values):
         raise ValueError(f'field "{key}" must be a token id or a list of token ids, got {_shown(value)}')
     return tuple(values)
+
+
+def _dtype_name(raw: dict[str, Any]) -> str | None:
+    """The checkpoint's own dtype: `dtype` (transformers v5) or `torch_dtype` (v4), e.g. "bfloat16"."""
+    key = "dtype" if raw.get("dtype") else "torch_dtype"
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f'field "{key}" must be a dtype name such as "bfloat16", got {_shown(value)}')
+    return value or None
 
 
 def _is_int(value: Any) -> bool:
