@@ -113,7 +113,12 @@ def _read(path: Path) -> GGUFReader:
     try:
         reader.__init__(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged files
-        where = reader.failed_at(path) if getattr(reader, "phase", None) else str(e)
+        where = str(e)
+        if getattr(reader, "phase", None):  # past the magic and version: say what it was reading
+            try:
+                where = reader.failed_at(path)
+            except Exception:  # a file damaged past describing: gguf's own message
+                pass
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {where}") from None
     return reader
 
@@ -146,13 +151,15 @@ class _LocatingReader(GGUFReader):
         for field in fields:  # one at a time, to know which one fails
             self.current = field
             super()._build_tensors(start_offs, [field])
+            if any(t.name == self.tensors[0].name for t in built):
+                raise ValueError(f"tensor {self.tensors[0].name} appears twice")
             built.extend(self.tensors)
-        if len({t.name for t in built}) < len(built):
-            raise ValueError("a tensor name appears twice")
         self.tensors = built
 
     def failed_at(self, path: Path) -> str:
         """What could not be read: a metadata key, a tensor's description, or a tensor's data."""
+        if self.phase == "metadata" and self.last_field.name == "GGUF.version":
+            return "the header's tensor and metadata counts could not be read"
         if self.phase == "metadata":
             last = self.last_field
             key = self._string_at(last.offset + sum(int(p.nbytes) for p in last.parts))
@@ -185,7 +192,9 @@ class _LocatingReader(GGUFReader):
         end = self.data_offset + int(offset[0]) + int(np.prod(dims.astype(np.float64))) * type_size // block
         size = path.stat().st_size
         return (
-            f"its data ends at byte {end}, past the end of the file at {size}" if end > size else "bad shape"
+            f"its data ends at byte {end}, past the end of the file at {size}"
+            if end > size
+            else "its shape does not fit its type"
         )
 
 
