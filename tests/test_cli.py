@@ -84,6 +84,7 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
         (["generate", "--temperature", "-1", "hi"], "temperature"),
         (["generate", "--device-map", "{not json", "hi"], "not valid JSON"),
         (["plan", "--device-map", '{"model.layerz.0": "disk"}'], "model.layers"),
+        (["cache", "purge"], "invalid choice: 'purge'"),
     ],
 )
 def test_errors_are_one_line_with_nonzero_exit(args, needle):
