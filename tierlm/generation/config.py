@@ -89,6 +89,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     cache_implementation: str = "static"
     max_cache_len: int | None = None
+    prefill_chunk: int | None = 256  # prompt tokens per prefill forward; None or 0: the whole prompt at once
     compile_config: CompileConfig | None = None
     disable_compile: bool = False
 
@@ -133,6 +134,7 @@ class GenerationConfig:
             choices = ", ".join(map(repr, CACHE_IMPLEMENTATIONS))
             raise ValueError(f"cache_implementation must be one of {choices}, got {impl!r}{hint}")
         _check_int("max_cache_len", self.max_cache_len, 1, optional=True)
+        _check_int("prefill_chunk", self.prefill_chunk, 0, optional=True)
         if self.compile_config is not None and not isinstance(self.compile_config, CompileConfig):
             raise ValueError(
                 f"compile_config must be a CompileConfig or None, got {_describe(self.compile_config)}"

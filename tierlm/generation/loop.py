@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +90,7 @@ class Sampler:
 
 
 def run_decode(
-    prefill: Callable[[], torch.Tensor],
+    prefill: Generator[list[StepEvent], None, torch.Tensor],
     step: DecodeStep,
     batch: Batch,
     config: GenerationConfig,
@@ -100,8 +100,9 @@ def run_decode(
     state: LoopState,
     should_stop: Callable[[int], bool] | None = None,
 ) -> Iterator[list[StepEvent]]:
-    """Yield, per step, one event per still-running row.
+    """Yield, per step, one event per still-running row; first [] for each prefill chunk but the last.
 
+    `prefill` yields [] after each chunk of the prompt but the last and returns the last token's logits.
     `step(tokens, positions, slots, length)` gives next-token logits; `length` is the number of cache
     slots in use after the step (eager steps may read only those).
 
@@ -116,13 +117,13 @@ def run_decode(
     state.finish_reasons = [None] * b
     running = [True] * b
 
+    logits = yield from prefill  # a unit of work per chunk, so a caller can interleave other generations
     start = time.perf_counter()
-    logits = prefill()
     tokens = sampler(logits, 0)
     positions = (batch.mask.sum(-1, keepdim=True) - 1).clone()  # rotary position of each row's last token
     slots = torch.tensor([width], device=device)
     host = tokens.tolist()
-    state.prefill_seconds = time.perf_counter() - start
+    state.prefill_seconds += time.perf_counter() - start  # the chunks add their own time
     start = time.perf_counter()
     eos_set = set(eos_ids)
     pad = torch.full((b,), pad_id, dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -82,8 +83,13 @@ class Generation:
         config: GenerationConfig,
         row_max_new_tokens: list[int] | None = None,
         row_stops: list[tuple[str, ...]] | None = None,
+        own_cache: bool = False,
     ) -> None:
-        """Rows share `config`, except optional per-row max_new_tokens (<= config's) and stop strings."""
+        """Rows share `config`, except optional per-row max_new_tokens (<= config's) and stop strings.
+
+        own_cache: a static cache of its own rather than the model's reusable one of this shape, for a
+        generation that runs beside another of the same shape; it cannot use the model's compiled step.
+        """
         self.model, self.config = model, config
         tok = model.tokenizer
         rows = encode_prompts(tok, prompts)
@@ -92,13 +98,20 @@ class Generation:
         pad = tok.pad_token_id if tok is not None else cfg.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.batch: Batch = left_pad(rows, self.pad_id, model.device)
-        self.cache = self._make_cache(self.batch.ids.shape[1])
+        self.cache = self._make_cache(self.batch.ids.shape[1], own_cache)
         if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
             raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
         self.decision = decide(
             model.device_map, self.cache, config, uncompilable=model.uncompilable_reasons()
         )
         warn_if_skipped(self.decision, config)
+        if own_cache and self.decision.compile:
+            raise ValueError(
+                "a generation with its own cache cannot use the compiled step (set disable_compile)"
+            )
+        self.step = self._step()  # taken now, beside the cache it is built for
+        self.prefilled = False  # the whole prompt is in the cache
+        self._units: Iterator[list[StepEvent]] | None = None
         self.state = LoopState(limits=list(row_max_new_tokens or []))
         stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
@@ -107,37 +120,46 @@ class Generation:
         elif any(stops):
             raise ValueError("stop strings need a tokenizer; this model has none")
 
-    def _make_cache(self, width: int):
-        c, cfg = self.config, self.model.config
-        needed = width + c.max_new_tokens
-        if width > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt of {width} tokens exceeds the model's context of {cfg.max_position_embeddings}"
-            )
+    def _make_cache(self, width: int, own: bool):
+        c, cfg, device = self.config, self.model.config, self.model.device
         b = self.batch.ids.shape[0]
-        if c.cache_implementation == "dynamic":
-            self.model.decoder.ensure_rope(needed, self.model.device)
-            return DynamicCache(cfg, b, self.model.device)
-        length = c.max_cache_len or bucket_length(needed, cfg.max_position_embeddings)
-        if width > length:
-            raise ValueError(
-                f"prompt of {width} tokens is longer than the static cache (max_cache_len={length})"
-            )
-        if needed > length:
-            raise ValueError(
-                f"prompt of {width} tokens plus max_new_tokens={c.max_new_tokens} needs {needed} cache slots, "
-                f"more than max_cache_len={length}"
-            )
-        self.model.decoder.ensure_rope(length, self.model.device)
-        return self.model.static_cache(b, length)
-
-    def _prefill(self) -> torch.Tensor:
-        width = self.batch.ids.shape[1]
-        if isinstance(self.cache, StaticCache):
-            self.cache.limit = width
-        logits = self.model.decoder(
-            self.batch.ids, attention_mask=self.batch.mask, cache=self.cache, last_only=True
+        length = static_cache_length(c, cfg, width)
+        if length is None:
+            self.model.decoder.ensure_rope(width + c.max_new_tokens, device)
+            return DynamicCache(cfg, b, device)
+        self.model.decoder.ensure_rope(length, device)
+        return (
+            StaticCache(cfg, b, length, self.model.dtype, device)
+            if own
+            else self.model.static_cache(b, length)
         )
+
+    def _prefill(self) -> Generator[list[StepEvent], None, torch.Tensor]:
+        """Feed the prompt to the cache `prefill_chunk` columns at a time, yielding [] between chunks.
+
+        Each chunk attends to the cached keys of the chunks before it: the same attention as one forward of
+        the whole prompt, in smaller matmuls (and a [chunk, length] score matrix, not [width, width]).
+        """
+        ids, mask = self.batch.ids, self.batch.mask
+        width = ids.shape[1]
+        chunk = self.config.prefill_chunk or width
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as the decoder computes them for a whole row
+        for start in range(0, width, chunk):
+            began, end = time.perf_counter(), min(start + chunk, width)
+            if isinstance(self.cache, StaticCache):
+                self.cache.limit = end  # read only the slots written so far
+            logits = self.model.decoder(
+                ids[:, start:end],
+                attention_mask=mask[:, start:end],
+                positions=positions[:, start:end],
+                cache=self.cache,
+                slots=torch.arange(start, end, device=ids.device),
+                last_only=True,
+            )
+            self.state.prefill_seconds += time.perf_counter() - began
+            if end < width:
+                yield []
+        self.prefilled = True
         return logits[:, -1].float()
 
     def _step(self):
@@ -153,8 +175,8 @@ class Generation:
                 return self.trackers[row].stopped_at is not None
 
         loop = run_decode(
-            self._prefill,
-            self._step(),
+            self._prefill(),
+            self.step,
             self.batch,
             self.config,
             self.eos_ids,
@@ -176,16 +198,28 @@ class Generation:
 
         return check
 
-    def stream(self) -> Iterator[tuple[int, str, bool, str | None]]:
-        """Yield (row, text delta, finished, finish_reason) per row and step."""
+    def advance(self) -> list[tuple[int, str, bool, str | None]] | None:
+        """Run one unit of work (a prefill chunk or a decode step) and return its (row, text delta, finished,
+        finish_reason) updates, [] for a prefill chunk; None once the generation is over."""
         if self.trackers is None:
             raise ValueError("streaming text needs a tokenizer; this model has none")
-        with torch.inference_mode():
-            for events in self.events():
-                for e in events:
-                    if e.finished:
-                        self.trackers[e.row].finish()
-                    yield e.row, self.trackers[e.row].delta(e.finished), e.finished, e.finish_reason
+        if self._units is None:
+            self._units = self.events()
+        with torch.inference_mode():  # entered per unit: generations may be advanced in turns
+            events = next(self._units, None)
+        if events is None:
+            return None
+        updates = []
+        for e in events:
+            if e.finished:
+                self.trackers[e.row].finish()
+            updates.append((e.row, self.trackers[e.row].delta(e.finished), e.finished, e.finish_reason))
+        return updates
+
+    def stream(self) -> Iterator[tuple[int, str, bool, str | None]]:
+        """Yield (row, text delta, finished, finish_reason) per row and step."""
+        while (updates := self.advance()) is not None:
+            yield from updates
 
     def cancel(self, row: int) -> None:
         """End `row` at the next step boundary (e.g. its client went away)."""
@@ -211,6 +245,26 @@ class Generation:
             compile=self.decision,
         )
         return GenerationResult(s.tokens, texts, [r or "length" for r in s.finish_reasons], stats)
+
+
+def static_cache_length(config: GenerationConfig, model_config, width: int) -> int | None:
+    """Slots of the static cache a `width`-token batch needs under `config`; None for a dynamic cache."""
+    needed = width + config.max_new_tokens
+    if width > model_config.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {width} tokens exceeds the model's context of {model_config.max_position_embeddings}"
+        )
+    if config.cache_implementation == "dynamic":
+        return None
+    length = config.max_cache_len or bucket_length(needed, model_config.max_position_embeddings)
+    if width > length:
+        raise ValueError(f"prompt of {width} tokens is longer than the static cache (max_cache_len={length})")
+    if needed > length:
+        raise ValueError(
+            f"prompt of {width} tokens plus max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
+            f"more than max_cache_len={length}"
+        )
+    return length
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:
