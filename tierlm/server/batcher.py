@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.run import static_cache_length
 
 if TYPE_CHECKING:
+    from tierlm.generation.run import Generation
     from tierlm.model import Model
 
 logger = logging.getLogger("tierlm.server")
@@ -21,6 +23,8 @@ logger = logging.getLogger("tierlm.server")
 SHUTDOWN_MESSAGE = "the server is shutting down; the request was not completed"
 # Requests that arrive together should share a batch: wait until none came for QUIET_S, at most WINDOW_S.
 BATCH_QUIET_S, BATCH_WINDOW_S = 0.003, 0.02
+# Batches the worker runs in turns (each holds its own KV cache); Model keeps as many static caches.
+MAX_RUNNING_BATCHES = 4
 
 
 class QueueFull(Exception):
@@ -103,6 +107,22 @@ class Request:
             pass
 
 
+@dataclass(eq=False)
+class Job:
+    """A batch of requests and how it runs: rows (padding rows after the requests' own), its generation."""
+
+    requests: list[Request]
+    rows: list[list[int]]
+    limits: list[int]
+    stops: list[tuple[str, ...]]
+    config: GenerationConfig
+    cache_shape: tuple[int, int] | None  # (rows, slots) of the static cache it takes; None if dynamic
+    compiles: bool  # may run the compiled decode step, which only the model's own cache of a shape has
+    own_cache: bool = False  # a cache of its own: another running batch holds the model's of this shape
+    gen: Generation | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
 class Scheduler:
     """Owns the model on one worker thread; the asyncio side only submits and cancels requests."""
 
@@ -128,6 +148,7 @@ class Scheduler:
         self._draining = False
         self._deadline: float | None = None  # after this, unfinished requests end with an error
         self._stopped = False
+        self._blocked_by: Job | None = None  # the running batch whose static cache the queue's head waits for
         self._thread: threading.Thread | None = None
         self._stats = {
             "batches": 0,
@@ -205,37 +226,148 @@ class Scheduler:
     # --- worker thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                self._run(batch)
-            except Exception as err:  # a failed batch must not take the worker down
-                logger.exception("batch of %d rows failed", len(batch))
-                for r in batch:
-                    r.emit(Event("error", text=f"generation failed: {type(err).__name__}: {err}"))
-            finally:
-                with self._cond:
-                    self._running = []
+        """Run batches in turns, one unit of work (a prefill chunk or a decode step) at a time.
+
+        A batch started while another is still prefilling goes first, so a short prompt waits for one
+        chunk of a long one, not for all of it. When every running batch decodes, new requests queue until
+        they end (static batching).
+        """
+        running: list[Job] = []
+        while running or self._wait_for_pending():
+            if self._may_admit(running) and (job := self._admit(running)) is not None:
+                running.insert(0, job)
+            if running:
+                job = running.pop(0)
+                if self._advance(job):
+                    running.append(job)
+                else:
+                    self._end(job)
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
-    def _next_batch(self) -> list[Request] | None:
-        """Block until a batch is ready; None once stopped. Requests past the shutdown deadline fail."""
-        while True:
-            with self._cond:
-                while True:
-                    self._fail_pending_past_deadline()
-                    if self._stopped:
-                        return None
-                    if self._pending:
-                        break
-                    self._cond.wait(0.1 if self._deadline is not None else None)
-            self._gather_arrivals()
-            with self._cond:
+    def _wait_for_pending(self) -> bool:
+        """Block until a request is queued; False once stopped. Requests past the shutdown deadline fail."""
+        with self._cond:
+            while True:
                 self._fail_pending_past_deadline()
-                if self._pending:  # clients may have left meanwhile
-                    self._running = self._take_batch()
-                    return self._running
+                if self._stopped:
+                    return False
+                if self._pending:
+                    return True
+                self._cond.wait(0.1 if self._deadline is not None else None)
+
+    def _may_admit(self, running: list[Job]) -> bool:
+        """Start a batch when idle, or beside running ones while one of them still prefills."""
+        if not self._pending or self._blocked_by in running:
+            return False
+        if not running:
+            return True
+        return len(running) < MAX_RUNNING_BATCHES and any(not j.gen.prefilled for j in running)
+
+    def _admit(self, running: list[Job]) -> Job | None:
+        """Start a batch of queued requests, unless its static cache is the one a running batch holds."""
+        self._gather_arrivals()
+        with self._cond:
+            self._fail_pending_past_deadline()
+            if not self._pending:  # clients may have left meanwhile
+                return None
+            batch = self._take_batch()
+            try:
+                job = self._plan(batch)
+            except Exception as err:
+                self._fail(batch, err)
+                return None
+            # Model.static_cache hands out one cache per (batch, length): two batches alive together must
+            # not share it, so a newcomer of a held shape gets a cache of its own, or waits if it compiles.
+            holder = next((j for j in running if job.cache_shape and j.cache_shape == job.cache_shape), None)
+            if holder is not None and job.compiles:  # compiled steps are bound to the model's cache
+                self._pending[:0] = batch
+                self._blocked_by = holder
+                return None
+            job.own_cache = holder is not None
+            self._running.extend(batch)
+            self._stats["padding_rows"] += len(job.rows) - len(batch)
+        self._record_batch(len(batch))
+        try:
+            job.gen = self.model.start(
+                job.rows,
+                job.config,
+                row_max_new_tokens=job.limits,
+                row_stops=job.stops,
+                own_cache=job.own_cache,
+            )
+        except Exception as err:
+            self._fail(batch, err)
+            self._release(batch)
+            return None
+        return job
+
+    def _plan(self, batch: list[Request]) -> Job:
+        """The rows, limits and config of a batch, and the static cache shape it will take."""
+        config = batch[0].sampling.config(self.base_config, max(r.max_tokens for r in batch))
+        rows = [r.prompt_ids for r in batch]
+        limits = [r.max_tokens for r in batch]
+        stops = [r.stops for r in batch]
+        compiles = config.compile_config is not None and not config.disable_compile
+        if compiles:
+            # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
+            # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
+            extra = (1 << (len(batch) - 1).bit_length()) - len(batch)
+            rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
+        length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
+        shape = (len(rows), length) if length is not None else None
+        return Job(batch, rows, limits, stops, config, shape, compiles)
+
+    def _advance(self, job: Job) -> bool:
+        """One unit of the job's work, its deltas sent to the clients; False once the job is over."""
+        try:
+            updates = job.gen.advance()
+        except Exception as err:  # a failed batch must not take the worker down
+            self._fail(job.requests, err)
+            return False
+        if updates is None:
+            return False
+        for row, delta, finished, reason in updates:
+            if row >= len(job.requests):  # a padding row
+                continue
+            r = job.requests[row]
+            r.tokens += 1
+            if (r.cancelled or self._past_deadline()) and not finished:
+                job.gen.cancel(row)
+                if not r.cancelled:
+                    r.emit(Event("error", text=SHUTDOWN_MESSAGE))
+            if delta:
+                r.emit(Event("delta", text=delta))
+            if finished:
+                self._record_finish(reason, r.tokens)
+                r.emit(Event("done", finish_reason=reason, completion_tokens=r.tokens))
+        if not job.gen.prefilled and (self._past_deadline() or all(r.cancelled for r in job.requests)):
+            self._abandon(job)  # nobody waits for the rest of this prompt
+            return False
+        return True
+
+    def _abandon(self, job: Job) -> None:
+        for r in job.requests:
+            if not r.cancelled:
+                r.emit(Event("error", text=SHUTDOWN_MESSAGE))
+            self._record_finish("cancelled", r.tokens)
+            r.emit(Event("done", finish_reason="cancelled"))
+
+    def _fail(self, batch: list[Request], err: Exception) -> None:
+        logger.error("batch of %d rows failed", len(batch), exc_info=err)
+        for r in batch:
+            r.emit(Event("error", text=f"generation failed: {type(err).__name__}: {err}"))
+
+    def _end(self, job: Job) -> None:
+        tokens = sum(r.tokens for r in job.requests)
+        elapsed = time.perf_counter() - job.started
+        logger.info("batch of %d rows: %d tokens in %.2f s", len(job.requests), tokens, elapsed)
+        self._release(job.requests)
+
+    def _release(self, batch: list[Request]) -> None:
+        with self._cond:
+            self._running = [r for r in self._running if r not in batch]
 
     def _fail_pending_past_deadline(self) -> None:
         if self._past_deadline():
@@ -268,39 +400,6 @@ class Scheduler:
         for r in batch:
             self._pending.remove(r)
         return batch
-
-    def _run(self, batch: list[Request]) -> None:
-        size = len(batch)
-        self._record_batch(size)
-        start = time.perf_counter()
-        config = batch[0].sampling.config(self.base_config, max(r.max_tokens for r in batch))
-        rows = [r.prompt_ids for r in batch]
-        limits = [r.max_tokens for r in batch]
-        stops = [r.stops for r in batch]
-        if config.compile_config is not None and not config.disable_compile:
-            # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
-            # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
-            extra = (1 << (size - 1).bit_length()) - size
-            rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
-            with self._cond:
-                self._stats["padding_rows"] += extra
-        gen = self.model.start(rows, config, row_max_new_tokens=limits, row_stops=stops)
-        for row, delta, finished, reason in gen.stream():
-            if row >= size:  # a padding row
-                continue
-            r = batch[row]
-            r.tokens += 1
-            if (r.cancelled or self._past_deadline()) and not finished:
-                gen.cancel(row)
-                if not r.cancelled:
-                    r.emit(Event("error", text=SHUTDOWN_MESSAGE))
-            if delta:
-                r.emit(Event("delta", text=delta))
-            if finished:
-                self._record_finish(reason, r.tokens)
-                r.emit(Event("done", finish_reason=reason, completion_tokens=r.tokens))
-        tokens = sum(r.tokens for r in batch)
-        logger.info("batch of %d rows: %d tokens in %.2f s", size, tokens, time.perf_counter() - start)
 
     def _record_batch(self, size: int) -> None:
         with self._cond:
