@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,13 @@ from gguf import GGUFWriter
 
 import tierlm
 from tierlm.weights import gguf_cache
-from tierlm.weights.temporaries import process_start, remove_stale_temporaries, temporary
+from tierlm.weights.temporaries import (
+    OTHER_HOST_STALE_S,
+    process_start,
+    remove_stale_temporaries,
+    temporary,
+    this_host,
+)
 
 DISK_MAP = {"": "cpu", "model.layers.1": "disk"}
 
@@ -133,11 +142,36 @@ def test_killed_gguf_cache_write_leaves_a_temporary_the_next_load_removes(tmp_pa
 
 def test_a_reused_pid_does_not_keep_a_dead_writers_temporary(tmp_path):
     """The pid is alive (this very process) but started at another time: the writer is gone."""
-    pid, start = os.getpid(), process_start(os.getpid())
+    pid, start, host = os.getpid(), process_start(os.getpid()), this_host()
     assert start is not None
-    reused = tmp_path / f".weights-float32.safetensors.tmp-{pid}-{start - 1}"
+    reused = tmp_path / f".weights-float32.safetensors.tmp-{pid}-{start - 1}-{host}"
     mine = temporary(tmp_path / "weights-float32.safetensors")
     reused.write_bytes(b"x")
     mine.write_bytes(b"x")
     assert remove_stale_temporaries(tmp_path) == [reused]
-    assert mine.exists() and mine.name == f".weights-float32.safetensors.tmp-{pid}-{start}"
+    assert mine.exists() and mine.name == f".weights-float32.safetensors.tmp-{pid}-{start}-{host}"
+
+
+def test_another_hosts_temporary_stays_until_untouched_for_a_day(tmp_path):
+    """A cache folder shared between machines: another host's pids cannot be checked from here."""
+    fresh = tmp_path / ".weights-float32.safetensors.tmp-1-2-elsewhere"
+    old = tmp_path / ".0123456789abcdef0123.tmp-1-2-elsewhere"
+    fresh.write_bytes(b"x")
+    old.mkdir()
+    (old / "weights.safetensors").write_bytes(b"x")
+    two_days_ago = time.time() - 2 * OTHER_HOST_STALE_S
+    for path in (old / "weights.safetensors", old):
+        os.utime(path, (two_days_ago, two_days_ago))
+    assert remove_stale_temporaries(tmp_path) == [old]
+    assert fresh.exists()
+
+
+def test_a_killed_but_unreaped_writer_counts_as_gone(tmp_path):
+    proc, (path,) = start_writer(tmp_path / "weights-float32.safetensors")
+    os.kill(proc.pid, signal.SIGKILL)  # a zombie until waited for
+    for _ in range(200):
+        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    assert remove_stale_temporaries(tmp_path) == [Path(path)]
+    proc.wait()

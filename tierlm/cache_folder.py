@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.placement.device_map import format_bytes
-from tierlm.weights.temporaries import remove, writer_alive, writer_of
+from tierlm.weights.temporaries import is_stale, remove, writer_of
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class CacheEntry:
     kind: str  # "gguf", "offload", "inductor", "temporary" or "other"
     nbytes: int
     about: str  # what it holds, in words
-    live_writer: int | None = None  # pid of the live process writing it (temporaries only)
+    live_writer: int | None = None  # pid of the process still writing it (temporaries only)
 
     @property
     def stale(self) -> bool:
@@ -64,10 +64,11 @@ def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
 
 
 def _temporary(path: Path) -> CacheEntry:
-    pid, start = writer_of(path)
-    alive = writer_alive(pid, start)
-    about = f"being written by process {pid}" if alive else f"left by process {pid}, which is gone"
-    return CacheEntry(path, "temporary", tree_size(path), about, pid if alive else None)
+    writer = writer_of(path)
+    process = f"process {writer.pid}" + ("" if writer.local else f" on {writer.host}")
+    if is_stale(path):
+        return CacheEntry(path, "temporary", tree_size(path), f"left by {process}, which is gone")
+    return CacheEntry(path, "temporary", tree_size(path), f"being written by {process}", writer.pid)
 
 
 def _describe_gguf(folder: Path) -> str:

@@ -1,11 +1,12 @@
 """Temporary files and folders named for the process that writes them, so that what a crashed (killed)
 writer left behind is recognised and removed, and what a live writer is still writing never is.
 
-A temporary sits beside its final path as `.<final name>.tmp-<pid>-<start>` (`.old-` for one being
-replaced). <start> is the writer's start time (field 22 of /proc/<pid>/stat, clock ticks since boot), so
-a pid the kernel has since handed to another process does not pass for the dead writer. Names written by
-earlier tierlm versions (`.<name>.<pid>.tmp`, `.<name>.tmp-<pid>`) carry no start time and are judged by
-the pid alone.
+A temporary sits beside its final path as `.<final name>.tmp-<pid>-<start>-<host>` (`.old-` for one
+being replaced). <start> is the writer's start time (field 22 of /proc/<pid>/stat, clock ticks since
+boot), so a pid the kernel has since handed to another process does not pass for the dead writer. <host>
+keeps a cache folder shared between machines or containers safe: another host's pids cannot be checked
+from here, so its temporaries count as stale only once untouched for OTHER_HOST_STALE_S. Names written by
+earlier tierlm versions (`.<name>.<pid>.tmp`, `.<name>.tmp-<pid>`) are judged by the pid alone.
 """
 
 from __future__ import annotations
@@ -13,55 +14,108 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-_NAME = re.compile(r"^\..+\.(?:(?:tmp|old)-(?P<pid>\d+)(?:-(?P<start>\d+))?|(?P<legacy>\d+)\.tmp)$")
+OTHER_HOST_STALE_S = 24 * 3600
+_NAME = re.compile(
+    r"^\..+\.(?:(?:tmp|old)-(?P<pid>\d+)(?:-(?P<start>\d+)(?:-(?P<host>[A-Za-z0-9.-]+))?)?|(?P<legacy>\d+)\.tmp)$"
+)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The process a temporary's name records; start and host are None in older names."""
+
+    pid: int
+    start: int | None
+    host: str | None
+
+    @property
+    def local(self) -> bool:
+        return self.host in (None, this_host())
 
 
 def temporary(target: Path, kind: str = "tmp") -> Path:
     """This process's temporary path for `target`; kind "tmp" (being written) or "old" (being replaced)."""
     pid = os.getpid()
-    start = process_start(pid)
-    tag = f"{pid}-{start}" if start is not None else str(pid)
-    return target.with_name(f".{target.name}.{kind}-{tag}")
+    return target.with_name(f".{target.name}.{kind}-{pid}-{process_start(pid) or 0}-{this_host()}")
+
+
+def this_host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "localhost"
 
 
 def process_start(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot), or None where /proc cannot tell."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])  # the command name in (...) may hold spaces
-    except (OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 and fields[19].isdigit() else None
 
 
-def writer_of(path: Path) -> tuple[int, int | None] | None:
-    """(pid, start time or None) of the process that named this temporary; None if it is not one."""
+def writer_of(path: Path) -> Writer | None:
+    """The process that named this temporary; None if `path` is not a temporary."""
     m = _NAME.match(path.name)
     if m is None:
         return None
     if m["legacy"]:
-        return int(m["legacy"]), None
-    return int(m["pid"]), int(m["start"]) if m["start"] else None
+        return Writer(int(m["legacy"]), None, None)
+    start = int(m["start"]) if m["start"] and m["start"] != "0" else None  # 0: start unknown to the writer
+    return Writer(int(m["pid"]), start, m["host"])
 
 
-def writer_alive(pid: int, start: int | None) -> bool:
-    """Whether the process that named a temporary still runs (unknown counts as alive: never remove it)."""
-    if pid <= 0:
+def writer_alive(writer: Writer) -> bool:
+    """Whether a local writer still runs (unknown counts as alive: never remove what may be in use)."""
+    if writer.pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
+        os.kill(writer.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # it exists, under another user
-    return start is None or process_start(pid) in (None, start)
+    fields = _proc_stat(writer.pid)
+    if fields is None:
+        return True
+    if fields[0] in ("Z", "X"):  # killed, not yet reaped by its parent
+        return False
+    return writer.start is None or int(fields[19]) == writer.start
 
 
 def is_stale(path: Path) -> bool:
-    """A temporary whose writer is gone."""
+    """A temporary whose writer is gone (on another host: one untouched for OTHER_HOST_STALE_S)."""
     writer = writer_of(path)
-    return writer is not None and not writer_alive(*writer)
+    if writer is None:
+        return False
+    if not writer.local:
+        return time.time() - last_write(path) > OTHER_HOST_STALE_S
+    return not writer_alive(writer)
+
+
+def last_write(path: Path) -> float:
+    """The newest modification time in a file or folder tree."""
+    times = [path.lstat().st_mtime]
+    if path.is_dir() and not path.is_symlink():
+        for folder, _dirs, files in os.walk(path):
+            times.extend(_mtime(Path(folder) / f) for f in files)
+    return max(times)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def stale_temporaries(folder: Path) -> list[Path]:
@@ -70,7 +124,14 @@ def stale_temporaries(folder: Path) -> list[Path]:
         entries = list(folder.iterdir())
     except OSError:  # no folder (yet): nothing left behind
         return []
-    return sorted(p for p in entries if is_stale(p))
+    return sorted(p for p in entries if _stale_or_gone(p))
+
+
+def _stale_or_gone(path: Path) -> bool:
+    try:
+        return is_stale(path)
+    except OSError:  # removed meanwhile, by its writer or another sweep
+        return False
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
