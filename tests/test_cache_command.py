@@ -71,7 +71,7 @@ def test_cache_clear_stale_removes_only_what_killed_writers_left(cache):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         f"tierlm: removing {dead_tmp} ({format_bytes(13)})",
-        f"tierlm: removed 1 entries ({format_bytes(13)}) from {root}; kept 1 being written by live processes",
+        f"tierlm: removed 1 entry ({format_bytes(13)}) from {root}; kept 1 entry still being written",
     ]
     assert not os.path.exists(dead_tmp) and os.path.exists(live_tmp)
     assert {p for p in root.rglob("*") if ".tmp-" not in str(p)} == before
@@ -86,7 +86,7 @@ def test_cache_clear_removes_everything_but_a_live_writers_temporary(cache):
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     assert left == [os.path.relpath(live_tmp, root)]
     listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
-    assert listing[-1] == f"total: {format_bytes(13)} in 1 entries"
+    assert listing[-1] == f"total: {format_bytes(13)} in 1 entry"
 
 
 def test_cache_list_of_a_missing_folder_says_so(tmp_path):

@@ -325,9 +325,13 @@ def cmd_cache(args) -> int:
     removed, kept = clear_cache(root, stale_only=args.stale, progress=progress)
     busy = [e for e in kept if e.live_writer is not None]
     freed = format_bytes(sum(e.nbytes for e in removed))
-    note = f"; kept {len(busy)} being written by live processes" if busy else ""
-    status(f"tierlm: removed {len(removed)} entries ({freed}) from {root}{note}")
+    note = f"; kept {entries_text(len(busy))} still being written" if busy else ""
+    status(f"tierlm: removed {entries_text(len(removed))} ({freed}) from {root}{note}")
     return 0
+
+
+def entries_text(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
 
 
 def cache_listing(root: Path, entries) -> str:
@@ -338,7 +342,7 @@ def cache_listing(root: Path, entries) -> str:
     for e in entries:
         lines.append(f"  {format_bytes(e.nbytes):>10}  {e.path.relative_to(root)}  {e.about}")
     stale = [e for e in entries if e.stale]
-    total = f"total: {format_bytes(sum(e.nbytes for e in entries))} in {len(entries)} entries"
+    total = f"total: {format_bytes(sum(e.nbytes for e in entries))} in {entries_text(len(entries))}"
     if stale:
         total += f" ({len(stale)} left by killed processes: tierlm cache clear --stale removes them)"
     return "\n".join([*lines, total])
