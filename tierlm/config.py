@@ -228,20 +228,20 @@ def positive_float(raw: dict[str, Any], key: str, default: float, prefix: str = 
 
 
 def token_id(raw: dict[str, Any], key: str) -> int | None:
-    """A token id field (a non-negative integer) or None when absent or null."""
+    """A token id field; None when absent, null or negative (some configs write -1 for "none")."""
     value = raw.get(key)
-    if value is not None and not (_is_int(value) and value >= 0):
-        raise ValueError(f'field "{key}" must be a token id (an integer >= 0) or null, got {_shown(value)}')
-    return value
+    if value is not None and not _is_int(value):
+        raise ValueError(f'field "{key}" must be a token id (an integer) or null, got {_shown(value)}')
+    return value if value is not None and value >= 0 else None
 
 
 def token_ids(raw: dict[str, Any], key: str) -> tuple[int, ...]:
-    """A field holding one token id or a list of them; () when absent or null."""
+    """A field holding one token id or a list of them; () when absent or null; negative ids are dropped."""
     value = raw.get(key)
     values = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(_is_int(v) and v >= 0 for v in values):
+    if not all(_is_int(v) for v in values):
         raise ValueError(f'field "{key}" must be a token id or a list of token ids, got {_shown(value)}')
-    return tuple(values)
+    return tuple(v for v in values if v >= 0)
 
 
 def _dtype_name(raw: dict[str, Any]) -> str | None:
