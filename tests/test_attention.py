@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from agreement import assert_greedy_agrees, greedy
 
 import tierlm
 from tierlm.models.layers import Attention, grouped_attention
@@ -39,7 +40,9 @@ def test_grouped_decode_tokens_equal_sdpa_default_model(dtype):
     prompt = model.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three rivers in Europe."}]
     )
-    grouped = model.generate(prompt, max_new_tokens=32).token_ids
+    grouped = greedy(model, prompt, max_new_tokens=32)
     use_sdpa_for_decode(model, True)
-    assert model.generate(prompt, max_new_tokens=32).token_ids == grouped
+    assert_greedy_agrees(
+        grouped, greedy(model, prompt, max_new_tokens=32), dtype
+    )  # bf16: logits, tests/agreement.py
     assert Attention.grouped_decode  # the class default is untouched
