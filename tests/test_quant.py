@@ -154,13 +154,14 @@ def test_quantize_decoder_replaces_every_projection_and_lm_head(tiny, mode, cls)
     decoder = tierlm.load(tiny["qwen2"], dtype="bfloat16").decoder
     names = quantize_decoder(decoder, mode)
     assert sorted(names) == sorted(expected_names(decoder))
-    assert all(isinstance(decoder.get_submodule(n), cls) for n in names)
+    assert all(isinstance(decoder.get_submodule(n), cls) for n in names if n != "lm_head")
+    assert isinstance(decoder.lm_head, Int8Linear)  # int4 keeps the LM head at int8 (quant.mode_of)
     assert not any(isinstance(m, nn.Linear) for m in decoder.modules())
-    weight, scales = ("weight_int8", "scales") if mode == "int8" else ("weight_int4", "scales_and_zeros")
+    weight = "weight_int8" if mode == "int8" else "weight_int4"
     state = decoder.state_dict()
     assert f"model.layers.1.self_attn.q_proj.{weight}" in state
     assert "model.layers.1.self_attn.q_proj.bias" in state  # Qwen2 keeps its q/k/v biases
-    assert state[f"lm_head.{scales}"].dtype == torch.bfloat16
+    assert state["lm_head.scales"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -182,7 +183,7 @@ def test_tied_embedding_stays_exact(tiny):
     assert "lm_head" in quantize_decoder(decoder, "int4")
     assert decoder.model.embed_tokens.weight is embedding
     assert torch.equal(embedding, before)
-    assert isinstance(decoder.lm_head, Int4Linear)
+    assert isinstance(decoder.lm_head, Int8Linear)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])

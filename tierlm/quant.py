@@ -32,6 +32,15 @@ def quantizes(module_name: str) -> bool:
     return module_name == "lm_head" or module_name.endswith(PROJECTIONS)
 
 
+def mode_of(module_name: str, mode: str) -> str:
+    """The quantization a module gets under `mode`: int4 keeps the LM head at int8.
+
+    The head's error reaches every logit directly: on the default model an int4 head costs +6.2% of
+    perplexity, an int8 head +0.4% (its GGUF source is Q8_0; llama.cpp keeps the output tensor at 6-8 bits
+    in its 4-bit mixes for the same reason)."""
+    return "int8" if mode == "int4" and module_name == "lm_head" else mode
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
@@ -241,7 +250,7 @@ def quantize_decoder(
         for name in targets:
             linear = decoder.get_submodule(name)
             try:
-                if mode == "int8":
+                if mode_of(name, mode) == "int8":
                     new = Int8Linear.from_linear(linear, dtype)
                 else:
                     new = Int4Linear.from_linear(linear, group_size, dtype)

@@ -139,12 +139,12 @@ def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, i
 
 def _packed_bytes(name: str, shape: tuple[int, ...], mode: str, group: int, dtype: torch.dtype) -> int | None:
     """Bytes of a quantized projection weight (codes plus scales), None if it stays float."""
-    from tierlm.quant import check_int4_shape, quantizes
+    from tierlm.quant import check_int4_shape, mode_of, quantizes
 
     if not (name.endswith(".weight") and quantizes(name.removesuffix(".weight"))):
         return None
     n, k = shape
-    if mode == "int8":
+    if mode_of(name.removesuffix(".weight"), mode) == "int8":
         return n * k + n * dtype.itemsize
     try:
         check_int4_shape(n, k, group, torch.device("cpu"))

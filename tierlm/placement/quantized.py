@@ -17,7 +17,7 @@ from torch import nn
 
 from tierlm.placement.offload import Unit, _assign
 from tierlm.placement.placer import commit_folder, folder_matches, fresh_tmp_folder
-from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, quantizes
+from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantizes
 from tierlm.weights.safetensors import NP_VIEWS, header
 
 DTYPES = {code: dtype for code, (_, dtype) in NP_VIEWS.items()}  # safetensors code -> torch dtype
@@ -137,7 +137,7 @@ def quantize_units(
     `folder`: where the packed disk tier lives (written here when missing or stale); `identity`: what it
     must match (checkpoint key, dtype). Linears the int4 kernel cannot take stay float, as when resident.
     """
-    want = {**identity, "mode": mode, "group_size": group_size, "packed_for": device.type}
+    want = {**identity, "mode": mode, "group_size": group_size, "packed_for": device.type, "head": "int8"}
     want["units"] = [u.name for u in units if u.tier == "disk"]
     reuse = folder_matches(folder, want)
     tmp = fresh_tmp_folder(folder) if want["units"] and not reuse else None
@@ -150,19 +150,21 @@ def quantize_units(
         packed: dict[str, torch.Tensor] = {}
         for rel in _targets(module, unit.name):
             linear = module.get_submodule(rel)
+            full = _join(unit.name, rel) if rel else unit.name
+            kind = mode_of(full, mode)
             try:
-                if mode == "int4":  # the same shapes fail every time: those linears stay float
+                if kind == "int4":  # the same shapes fail every time: those linears stay float
                     check_int4_shape(linear.out_features, linear.in_features, group_size, device)
                 if from_folder:
-                    new = _shell(linear, stored, rel, mode, group_size)
+                    new = _shell(linear, stored, rel, kind, group_size)
                 else:
                     weight, bias = sources[_join(rel, "weight")], sources.get(_join(rel, "bias"))
-                    new = _quantize_linear(linear, weight, bias, mode, group_size, dtype, device)
+                    new = _quantize_linear(linear, weight, bias, kind, group_size, dtype, device)
             except ValueError:
                 continue
             for name in (_join(rel, "weight"), _join(rel, "bias")):
                 sources.pop(name, None)
-            _swap(decoder, _join(unit.name, rel) if rel else unit.name, new)
+            _swap(decoder, full, new)
             packed.update(_tensors_of(new, rel))
         if tmp is not None and unit.tier == "disk":  # write, then stream the packed bytes from the file
             file = tmp / f"{unit.name}.safetensors"
