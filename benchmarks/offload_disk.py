@@ -20,7 +20,7 @@ from typing import Any
 
 from common import default_model_file, status
 
-from tierlm.placement.offload import file_mappings
+from tierlm.weights.files import file_mappings
 
 RANDOM_LLAMA = dict(  # ~745M parameters, 1.49 GB in bf16 (16 layers would be 1.77 GB)
     hidden_size=2048,

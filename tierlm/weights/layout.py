@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierlm.placement.offload import file_mappings, madvise_dontneed, page_span
+from tierlm.weights.files import file_mappings, madvise_dontneed, page_span
 
 
 def transposes_wide_weights(dtype: torch.dtype, device: torch.device, quantize: str | None) -> bool:
