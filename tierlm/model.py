@@ -26,7 +26,6 @@ from tierlm.placement.placer import (
     parameter_table,
     resolve,
 )
-from tierlm.quant import default_int4_group
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -244,7 +243,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     checkpoint, target, tokenizer = _open(path, dtype, device)
-    quant = (quantize, group_size or default_int4_group(path)) if quantize is not None else None
+    quant = (quantize, group_size or gguf_cache.default_int4_group(path)) if quantize is not None else None
     names, sizes, tied = parameter_table(checkpoint.config, target, quant)
     placement = resolve(
         names,

@@ -44,9 +44,7 @@ def plan(
     cfg = checkpoint.config
     quant = None
     if quantize is not None:
-        from tierlm.quant import default_int4_group
-
-        quant = (quantize, group_size or default_int4_group(path))
+        quant = (quantize, group_size or gguf_cache.default_int4_group(path))
     names, sizes, tied = parameter_table(cfg, target, quant)
     placement = resolve(names, sizes, device_map, max_memory, device, tied, kv_bytes_per_token(cfg, target))
     module_bytes = {

@@ -8,7 +8,6 @@ int4 kernels, checked against a plain-torch reference in tests/test_quant.py).
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -80,21 +79,6 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_s
     sz = scales_and_zeros.float().transpose(0, 1)  # [N, K/g, 2]
     q = codes.float().reshape(n, k // group_size, group_size) - 8
     return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k)
-
-
-def default_int4_group(path: Path) -> int:
-    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
-    from tierlm.weights import gguf_cache
-    from tierlm.weights.gguf import GGUFCheckpoint
-
-    if path.suffix != ".gguf":
-        return 64
-    recorded = gguf_cache.source_tensor_types(path)  # when the dequantized cache exists
-    if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
-        gguf = GGUFCheckpoint(path)
-        recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
-    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
-    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int, device: torch.device) -> None:

@@ -134,6 +134,20 @@ def source_tensor_types(gguf_path: Path) -> dict[str, str]:
         return {}
 
 
+def default_int4_group(path: Path) -> int:
+    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
+    from tierlm.weights.gguf import GGUFCheckpoint
+
+    if path.suffix != ".gguf":
+        return 64
+    recorded = source_tensor_types(path)  # when the dequantized cache exists
+    if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
+        gguf = GGUFCheckpoint(path)
+        recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
+    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
+    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
+
+
 def open_cached_tokenizer(gguf_path: Path):
     """The GGUF file's tokenizer from the cache, or None."""
     from tokenizers import Tokenizer as Backend
