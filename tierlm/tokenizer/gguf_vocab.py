@@ -1,0 +1,153 @@
+"""A GGUF file's `tokenizer.*` metadata converted to a `tokenizers` backend (byte-level BPE or
+SentencePiece-style BPE), the way llama.cpp reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from tierlm.tokenizer.special import SpecialTokens
+
+# Pre-tokenizer regexes in their tokenizer.json spelling; llama.cpp runs adapted copies of these.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.pre -> the regexes llama.cpp applies in turn (llm_tokenizer_bpe in llama-vocab.cpp);
+# each one splits the pieces the previous one left, keeping matches and gaps alike.
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    **dict.fromkeys(("gpt2", "mpt", "olmo", "jais", "trillion"), (_GPT2,)),
+    # smollm: every digit on its own first, like SmolLM2's tokenizer.json `Digits(individual_digits=True)`.
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), (r"\p{N}", _GPT2)
+    ),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3"), (_LLAMA3,)),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2,)),
+}
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3"})
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, bool, str | None]:
+    """The backend, special tokens, whether to add BOS, and the chat template a GGUF file describes."""
+    meta = _read_gguf_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"{path} has no tokenizer metadata (tokenizer.ggml.model, tokenizer.ggml.tokens)")
+    builder = _GGUF_BUILDERS.get(kind)
+    if builder is None:
+        supported = ", ".join(sorted(_GGUF_BUILDERS))
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: {supported}")
+    backend = builder(meta)
+    _add_gguf_added_tokens(backend, meta)
+    special = SpecialTokens(
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_ids=tuple(dict.fromkeys(meta[key] for key in _EOS_KEYS if key in meta)),
+        pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+        unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+    )
+    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    return backend, special, add_bos, meta.get("tokenizer.chat_template")
+
+
+def _read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of a GGUF file as plain Python values."""
+    from gguf import GGUFReader  # reading maps the whole file; keep it off the import path
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError) as err:
+        raise ValueError(f"cannot read {path} as GGUF: {err}") from err
+    return {
+        name: _field_value(field) for name, field in reader.fields.items() if name.startswith("tokenizer.")
+    }
+
+
+def _field_value(field: Any) -> Any:
+    from gguf import GGUFValueType
+
+    def scalar(part: Any) -> Any:
+        if field.types[-1] == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        return part.tolist()[0]
+
+    values = [scalar(field.parts[i]) for i in field.data]
+    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def _byte_level_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE with the pre-tokenizer named by `tokenizer.ggml.pre`."""
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_SPLITS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(_PRE_SPLITS))}"
+        )
+    vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """llama/SentencePiece BPE: merges ranked by score, `<0xNN>` byte fallback, "▁" for spaces."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=_merges_from_scores(tokens, scores),
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    backend = BackendTokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    scheme = "first" if prefix else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, best merged score first (SentencePiece BPE order)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for token, score in dict(zip(tokens, scores)).items():
+        pairs = [
+            (token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
+        ]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked.extend((score, left, right) for left, right in pairs)
+    ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable, as in transformers
+    return [(left, right) for _, left, right in ranked]
+
+
+def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any]) -> None:
+    """Control and unknown tokens become special; user-defined ones are matched whole but not special."""
+    tokens, token_types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", ())
+    special = [t for t, kind in zip(tokens, token_types) if kind in (_UNKNOWN, _CONTROL)]
+    plain = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+
+
+_GGUF_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
