@@ -1,7 +1,37 @@
 """tierlm: decoder-only LLMs across memory tiers, compiled when placement allows."""
 
-from tierlm.compile import CompileConfig, CompileSkippedWarning
-from tierlm.config import ModelConfig
-from tierlm.model import Model, load
+from __future__ import annotations
 
-__all__ = ["CompileConfig", "CompileSkippedWarning", "Model", "ModelConfig", "load"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierlm.compile import CompileConfig, CompileSkippedWarning
+    from tierlm.config import ModelConfig
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.model import Model, load
+
+# Public name -> the module defining it. Imported on first use, so that `import tierlm.config` (which runs
+# this file first) loads no torch.
+_EXPORTS = {
+    "CompileConfig": "tierlm.compile",
+    "CompileSkippedWarning": "tierlm.compile",
+    "GenerationConfig": "tierlm.generation.config",
+    "Model": "tierlm.model",
+    "ModelConfig": "tierlm.config",
+    "load": "tierlm.model",
+}
+
+__all__ = ["CompileConfig", "CompileSkippedWarning", "GenerationConfig", "Model", "ModelConfig", "load"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tierlm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
