@@ -22,6 +22,7 @@ run: setup
 	$(VENV)/bin/tierlm generate --chat --max-new-tokens 64 "$(PROMPT)"
 
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -rs
 
 bench: setup
@@ -30,7 +31,7 @@ bench: setup
 	$(PY) benchmarks/quality.py
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache
