@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +20,9 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
+from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
 from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
-from tierlm.weights.temporaries import remove_stale_temporaries, temporary
+from tierlm.weights.temporaries import remove_stale_temporaries
 
 KV_RESERVE_TOKENS = 2048  # "auto" maps keep room for a KV cache of this many tokens (batch 1)
 
@@ -222,36 +220,3 @@ def ensure_offload_folder(
     write_safetensors(tmp / "weights.safetensors", shapes, dtype, ((n, stored(n)) for n in names))
     commit_folder(tmp, folder, want)
     return folder
-
-
-def folder_matches(folder: Path, want: dict) -> bool:
-    """Whether a folder written by commit_folder holds what `want` describes."""
-    manifest = folder / "manifest.json"
-    return manifest.is_file() and json.loads(manifest.read_text()) == want
-
-
-def fresh_tmp_folder(folder: Path) -> Path:
-    """An empty temporary folder beside `folder`, to fill and then commit_folder(); what killed writers
-    left beside it goes first."""
-    tmp = temporary(folder)
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(folder.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ValueError(
-            f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
-        ) from None
-    return tmp
-
-
-def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
-    """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
-    without a manifest (an interrupted write) is never trusted."""
-    (tmp / "manifest.json").write_text(json.dumps(want))
-    old = temporary(folder, "old")
-    if folder.exists():
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)

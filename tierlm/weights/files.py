@@ -1,15 +1,21 @@
-"""Low-level memory-mapped file helpers: page spans of tensors, madvise, this process's file mappings.
+"""Low-level file helpers: atomic file and folder writes, and for memory-mapped tensors their page spans,
+madvise and this process's file mappings.
 
-Nothing here knows about models or tiers; `weights.layout` and `placement.offload` build on it.
+Nothing here knows about models or tiers; `weights.gguf_cache`, `weights.layout` and `placement` build on it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
+import os
+import shutil
 from pathlib import Path
 
 import torch
+
+from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
@@ -52,3 +58,46 @@ def page_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     aligned = start - start % page
     return aligned, t.numel() * t.element_size() + (start - aligned)
+
+
+def atomic_write(target: Path, write) -> None:
+    """Write `target` through write(temporary path), then rename: a reader sees the old file or the new one."""
+    tmp = temporary(target)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def folder_matches(folder: Path, want: dict) -> bool:
+    """Whether a folder written by commit_folder holds what `want` describes."""
+    manifest = folder / "manifest.json"
+    return manifest.is_file() and json.loads(manifest.read_text()) == want
+
+
+def fresh_tmp_folder(folder: Path) -> Path:
+    """An empty temporary folder beside `folder`, to fill and then commit_folder(); what killed writers
+    left beside it goes first."""
+    tmp = temporary(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(folder.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(
+            f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
+        ) from None
+    return tmp
+
+
+def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
+    """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
+    without a manifest (an interrupted write) is never trusted."""
+    (tmp / "manifest.json").write_text(json.dumps(want))
+    old = temporary(folder, "old")
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)

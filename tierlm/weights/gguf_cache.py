@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from tierlm.config import ModelConfig, RopeScaling
+from tierlm.weights.files import atomic_write
 from tierlm.weights.safetensors import SafetensorsCheckpoint
-from tierlm.weights.temporaries import remove_stale_temporaries, temporary
+from tierlm.weights.temporaries import remove_stale_temporaries
 
 
 def cache_root() -> Path:
@@ -76,11 +77,11 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
             if progress is not None:
                 progress(i + 1, len(names))
 
-    _atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
+    atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
     types = {n: gguf.tensors[n].tensor_type.name for n in names}
     source = {"gguf": str(gguf_path.resolve()), "tensor_types": types}
-    _atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps(source)))
-    _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
+    atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps(source)))
+    atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
     return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
 
@@ -115,15 +116,6 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _atomic_write(target: Path, write) -> None:
-    tmp = temporary(target)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def source_tensor_types(gguf_path: Path) -> dict[str, str]:
@@ -177,7 +169,7 @@ def store_tokenizer(gguf_path: Path, tokenizer) -> None:
     }
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "tokenizer.json", lambda p: p.write_text(tokenizer.backend.to_str()))
-        _atomic_write(folder / "tokenizer-meta.json", lambda p: p.write_text(json.dumps(meta)))
+        atomic_write(folder / "tokenizer.json", lambda p: p.write_text(tokenizer.backend.to_str()))
+        atomic_write(folder / "tokenizer-meta.json", lambda p: p.write_text(json.dumps(meta)))
     except OSError as e:
         warnings.warn(f"could not cache the tokenizer in {folder}: {e}", stacklevel=2)
