@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tierlm
+from tierlm.models.layers import Linear
 from tierlm.quant import (
     PROJECTIONS,
     Int4Linear,
@@ -221,7 +222,7 @@ def test_int4_leaves_layers_it_cannot_take_in_float(tmp_path):
     ):
         names = quantize_decoder(model.decoder, "int4")
     assert sorted(names) == sorted(n for n in expected_names(model.decoder) if not n.endswith("down_proj"))
-    assert type(model.decoder.model.layers[1].mlp.down_proj) is nn.Linear
+    assert type(model.decoder.model.layers[1].mlp.down_proj) is Linear  # the float layer, unchanged
     assert torch.isfinite(model(torch.tensor([[5, 6, 7]]))).all()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm import cpu
 from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
@@ -257,6 +258,8 @@ def load(
     )
     devices = {n: _param_device(placement, n) for n in names}
     decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
+    if target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill:
+        decoder.widen_prefill()
     folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
     if quant is not None:  # resident linears now; offloaded ones as their units are built
         _quantize(decoder, placement, *quant)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tierlm.config import ModelConfig
-from tierlm.models.layers import DecoderLayer, RMSNorm, rope_tables
+from tierlm.models.layers import DecoderLayer, Linear, RMSNorm, rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
@@ -28,7 +28,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compute_dtype = torch.float32  # set by the loader
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -41,6 +41,13 @@ class Decoder(nn.Module):
                 continue
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def widen_prefill(self, on: bool = True) -> None:
+        """Run multi-token products of the float linears in fp32 (layers.linear): for bf16 weights on a
+        CPU without native bf16 (tierlm.cpu); decode steps keep the weights' own dtype."""
+        for module in self.modules():
+            if hasattr(module, "widen"):
+                module.widen = on
 
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""

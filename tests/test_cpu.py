@@ -1,0 +1,83 @@
+"""CPU features are detected in one place (tierlm.cpu), and its answer drives how bf16 runs."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from agreement import assert_greedy_agrees, greedy
+from torch.overrides import TorchFunctionMode
+
+import tierlm
+from tierlm import cpu
+from tierlm.cpu import CpuFeatures
+
+AVX2 = CpuFeatures("simulated AMD Zen 3", "AVX2", native_bf16=False)
+NATIVE_BF16 = CpuFeatures("simulated AMD Zen 4", "AVX512", native_bf16=True, vnni=True)
+IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8, 11, 250, 3]])
+
+
+class LinearDtypes(TorchFunctionMode):
+    """Records the input dtype and row count of every F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            x = args[0]
+            self.calls.append((x.dtype, x.shape[-2] if x.dim() > 2 else 1))
+        return func(*args, **(kwargs or {}))
+
+
+def widen_flags(model) -> set[bool]:
+    return {m.widen for m in model.decoder.modules() if hasattr(m, "widen")}
+
+
+def test_detect_asks_torch_and_names_the_cpu():
+    found = cpu.detect()
+    assert found.capability == torch.backends.cpu.get_cpu_capability()
+    if platform.machine() == "x86_64":
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        assert found.native_bf16 == native
+    assert found.capability in found.describe() and found.name in found.describe()
+    assert found.as_dict()["native_bf16"] == found.native_bf16
+
+
+@pytest.mark.parametrize(
+    "features, widened", [(AVX2, True), (NATIVE_BF16, False)], ids=["avx2", "native-bf16"]
+)
+def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened):
+    """The auto dtype of a GGUF is bf16 on both kinds of CPU; bf16 prefill is widened to fp32 only
+    where bf16 is not native."""
+    monkeypatch.setattr(cpu, "detect", lambda: features)
+    model = tierlm.load()  # the default model, dtype "auto"
+    assert model.dtype == torch.bfloat16
+    assert widen_flags(model) == {widened}
+    with LinearDtypes() as seen:
+        model.generate("The capital of France is", max_new_tokens=2, min_new_tokens=2)
+    prefill = {dtype for dtype, rows in seen.calls if rows > 1}
+    decode = {dtype for dtype, rows in seen.calls if rows == 1}
+    assert prefill == {torch.float32 if widened else torch.bfloat16}
+    assert decode == {torch.bfloat16}
+
+
+def test_fp32_models_never_widen(monkeypatch, tiny_checkpoints):
+    monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+    assert widen_flags(tierlm.load(tiny_checkpoints["llama"], dtype="float32")) == {False}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_widened_prefill_agrees_with_bf16_prefill(tiny_checkpoints, family):
+    model = tierlm.load(tiny_checkpoints[family], dtype="bfloat16")
+    logits, runs = {}, {}
+    for on in (False, True):
+        model.decoder.widen_prefill(on)
+        logits[on] = model(IDS).float()
+        runs[on] = greedy(model, IDS, max_new_tokens=16, min_new_tokens=16)
+    tolerance = 2**-5 * logits[False].abs().max().item()  # 8 bf16 ulps, as in tests/agreement.py
+    torch.testing.assert_close(logits[True], logits[False], atol=tolerance, rtol=0)
+    assert_greedy_agrees(runs[False], runs[True], "bfloat16")

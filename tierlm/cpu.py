@@ -1,0 +1,78 @@
+"""What this CPU can do, asked once, in one place: the instruction set torch dispatches to, native bf16.
+
+Everything that depends on the CPU (how bf16 prefill runs, the benchmarks' headers, `tierlm plan`,
+`generate --explain`, the server's /stats) reads `detect()`; tests replace it to simulate another CPU.
+torch is asked wherever it knows (x86 features); only the CPU's name and Arm's BF16 flag come from
+/proc/cpuinfo, and a machine without that file degrades to "no native bf16".
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU as tierlm sees it: its name, torch's dispatch level and whether bf16 math is native."""
+
+    name: str
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT", "SVE256", ...
+    native_bf16: bool  # AVX-512 BF16 or AMX on x86, BF16 on Arm
+    amx: bool = False
+    vnni: bool = False
+
+    @property
+    def widens_bf16_prefill(self) -> bool:
+        """Whether bf16 prefill products run in fp32 here (no fast bf16 matrix-matrix kernel without
+        native bf16; decode stays bf16, which is memory-bound and fast everywhere)."""
+        return not self.native_bf16
+
+    def kernels(self) -> str:
+        """What this CPU selects, in words."""
+        prefill = "fp32 (bf16 weights widened per product)" if self.widens_bf16_prefill else "bf16"
+        return f"GGUF default dtype bfloat16; bf16 decode in bf16, prefill in {prefill}"
+
+    def describe(self) -> str:
+        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        extras = "".join(f", {f}" for f, on in (("AMX", self.amx), ("VNNI", self.vnni)) if on)
+        return f"{self.name} ({self.capability}, {bf16}{extras}): {self.kernels()}"
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "capability": self.capability,
+            "native_bf16": self.native_bf16,
+            "amx": self.amx,
+            "vnni": self.vnni,
+            "kernels": self.kernels(),
+        }
+
+
+@functools.cache
+def detect() -> CpuFeatures:
+    """This machine's CPU (computed once per process)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        amx, vnni = torch.cpu._is_amx_tile_supported(), torch.cpu._is_vnni_supported()
+    else:  # torch does not say for Arm: its BF16 extension is the "bf16" feature in /proc/cpuinfo
+        native, amx, vnni = "bf16" in _cpuinfo_field("Features").split(), False, False
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    return CpuFeatures(name, capability, bool(native), bool(amx), bool(vnni))
+
+
+def _cpuinfo_field(field: str) -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == field:
+            return value.strip()
+    return ""
