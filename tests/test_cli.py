@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tierlm import cpu
+
 TIERLM = [sys.executable, "-m", "tierlm.cli"]
 
 
@@ -56,6 +58,7 @@ def test_generate_explain_prints_the_compile_decision():
     )
     assert proc.returncode == 0, proc.stderr
     assert "compile: no (model.layers.29 is offloaded to disk)" in proc.stderr
+    assert f"tierlm: cpu: {cpu.detect().describe()}" in proc.stderr  # what was detected and selected
 
 
 def test_compiling_shows_progress():
@@ -104,6 +107,7 @@ def test_plan_shows_tiers_streaming_and_decision():
     assert "model.layers.0-" in out and "disk" in out
     assert "streamed per token:" in out and "from disk" in out
     assert "compile: no (" in out and "offloaded to disk" in out
+    assert f"cpu: {cpu.detect().describe()}" in out
 
 
 def test_plan_counts_quantized_weights_at_their_packed_size():

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import tierlm
+from tierlm import cpu
 from tierlm.generation.config import GenerationConfig
 from tierlm.server import build_app, make_server
 
@@ -235,7 +236,9 @@ def test_models_health_and_stats(client, http):
     assert [m.id for m in client.models.list().data] == [NAME]
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["model"] == NAME
-    assert {"batches", "max_batch_size_seen", "queued", "running"} <= set(http.get("/stats").json())
+    stats = http.get("/stats").json()
+    assert {"batches", "max_batch_size_seen", "queued", "running"} <= set(stats)
+    assert stats["cpu"] == cpu.detect().as_dict()  # what was detected and which kernels it selects
 
 
 # --- batching -----------------------------------------------------------------------------------------------

@@ -210,6 +210,9 @@ def cmd_generate(args) -> int:
         prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     gen = model.start([prompt], config)
     if args.explain:
+        from tierlm import cpu
+
+        status(f"tierlm: cpu: {cpu.detect().describe()}")
         status(f"tierlm: {gen.decision.explain()}")
     for _row, delta, _finished, _reason in gen.stream():
         if not args.json:

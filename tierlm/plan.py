@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm import cpu
 from tierlm.compile import CompileConfig, decide
 from tierlm.generation.config import GenerationConfig
 from tierlm.placement.device_map import format_bytes, format_modules
@@ -65,6 +66,7 @@ def describe_plan(path=None, **kwargs) -> str:
         f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, "
         f"{str(dtype)[6:]}{weights})",
         f"execution device: {placement.device}",
+        f"cpu: {cpu.detect().describe()}",
         "",
         f"{'module':<28} {'tier':<8} {'bytes':>12}",
     ]

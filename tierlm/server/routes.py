@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from tierlm import cpu
 from tierlm.server.batcher import QueueFull, Request, Sampling, Scheduler, ShuttingDown
 from tierlm.server.errors import APIError
 from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
@@ -100,7 +101,7 @@ async def health(http: HTTPRequest) -> JSONResponse:
 
 @router.get("/stats")
 async def stats(http: HTTPRequest) -> dict:
-    return _state(http).scheduler.stats()
+    return {**_state(http).scheduler.stats(), "cpu": cpu.detect().as_dict()}
 
 
 @router.get("/v1/models", response_model=None, responses=_documented(ModelList, 401))
