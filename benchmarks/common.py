@@ -70,6 +70,15 @@ def interleave(calls: dict[str, Callable[[], Any]], runs: int, warmup: int = 1) 
     return out
 
 
+def cpu_header() -> str:
+    """The CPU the numbers were measured on and what tierlm selects there (tierlm.cpu)."""
+    import torch
+
+    from tierlm import cpu
+
+    return f"cpu: {cpu.detect().describe()}; torch.backends.cpu.get_cpu_capability() = {torch.backends.cpu.get_cpu_capability()}"
+
+
 def machine_load() -> str:
     """The 1-minute load average against the core count: other processes skew every timing here."""
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"

@@ -37,6 +37,7 @@ import torch
 from common import (
     Runs,
     contention_warning,
+    cpu_header,
     default_model_file,
     fmt,
     interleave,
@@ -530,6 +531,7 @@ def run(args, cache_dir: str) -> None:
     one = chat_prompts(tokenizer, 1)
     widths = sorted(len(r) for r in chat_prompts(tokenizer, max(args.batches)))
     variants = args.variants if "bfloat16" in args.dtypes else []
+    print(cpu_header())
     print(f"model: {model_file.name}; torch {torch.__version__}, torch threads: {torch.get_num_threads()}")
     print(f"prompt: {len(one[0])} tokens (chat template of {QUESTIONS[0]!r}); ", end="")
     if max(args.batches) > 1:
