@@ -103,3 +103,29 @@ def test_skip_warning_is_emitted_once_per_cause():
         "model.layers.3 is offloaded to disk",
         "model.layers.4 is offloaded to disk",
     ]
+
+
+def test_a_cause_already_reported_is_not_repeated_next_to_a_new_one():
+    config = STATIC.replace(compile_config=CompileConfig())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_if_skipped(decide({"": "cpu", "model.layers.5": "disk"}, "static", config), config)
+        both = decide({"": "cpu", "model.layers.5": "disk"}, "dynamic", config)
+        warn_if_skipped(both, config)  # the disk cause was said; only the cache is new
+    skipped = [
+        str(w.message).split(": ", 1)[1] for w in seen if issubclass(w.category, CompileSkippedWarning)
+    ]
+    assert skipped == [
+        "model.layers.5 is offloaded to disk",
+        "cache 'dynamic' is not compilable; use cache_implementation='static'",
+    ]
+
+
+def test_decision_reads_the_resolved_execution_device():
+    """A map on the accelerator run on the CPU (execution_device="cpu") compiles only with consent."""
+    on_gpu = normalized({"": 0})
+    assert decide(on_gpu, "static", STATIC).compile  # derived from the map: cuda:0
+    forced = decide(on_gpu, "static", STATIC, device="cpu")
+    assert not forced.compile and forced.device == "cpu"
+    assert forced.reasons == ("execution device 'cpu' compiles only when compile_config is set",)
+    assert decide(on_gpu, "static", STATIC.replace(compile_config=CompileConfig()), device="cpu").compile

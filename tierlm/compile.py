@@ -109,14 +109,17 @@ def decide(
     generation_config: Any,
     *,
     uncompilable: Sequence[str] = (),
+    device: str | None = None,
 ) -> CompileDecision:
     """Compile only if enabled, the cache is compilable, the device is supported and nothing is offloaded.
 
     placement: the resolved module -> device map (None: the whole model on the CPU). cache: a cache object
     or its kind ("static", "dynamic"). uncompilable: reasons the model itself cannot be compiled.
+    device: the execution device the placement resolved to (it honours `execution_device=`); None
+    derives it from the map.
     """
     placement = dict(placement) if placement else {"": "cpu"}
-    device = execution_device(placement)
+    device = str(device) if device is not None else execution_device(placement)
     config = generation_config
     reasons: list[str] = []
     if config.disable_compile:
@@ -137,7 +140,7 @@ def decide(
     return CompileDecision(not reasons, tuple(reasons), device)
 
 
-_warned: set[tuple[str, ...]] = set()  # causes already reported in this process
+_warned: set[str] = set()  # causes already reported in this process
 
 
 def warn_if_skipped(decision: CompileDecision, generation_config: Any) -> None:
@@ -147,9 +150,10 @@ def warn_if_skipped(decision: CompileDecision, generation_config: Any) -> None:
     reasons = decision.reasons
     if generation_config.disable_compile:
         reasons = ("disable_compile=True overrides compile_config",)
-    if reasons in _warned:
+    reasons = tuple(r for r in reasons if r not in _warned)
+    if not reasons:
         return
-    _warned.add(reasons)
+    _warned.update(reasons)
     warnings.warn(
         "compile_config is set but the decode step will not be compiled: " + "; ".join(reasons),
         CompileSkippedWarning,

@@ -52,7 +52,7 @@ def plan(
         m: sum(b for n, b in sizes.items() if n == m or n.startswith(m + ".")) for m in placement.module_map
     }
     config = GenerationConfig(cache_implementation=cache, compile_config=CompileConfig() if compile else None)
-    decision = decide(placement.module_map, cache, config)
+    decision = decide(placement.module_map, cache, config, device=str(placement.device))
     return cfg, target, placement, module_bytes, decision, quant
 
 
