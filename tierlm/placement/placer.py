@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
-from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
+from tierlm.weights.files import commit_folder, file_identity, folder_matches, fresh_tmp_folder, identity_key
 from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
 from tierlm.weights.temporaries import remove_stale_temporaries
 
@@ -184,12 +183,8 @@ def disk_sources(
 
 def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
     """Identity of the checkpoint files and of the set of tensors an offload folder holds."""
-    parts = []
-    for f in sorted(set(checkpoint.files.values())):
-        st = f.stat()
-        parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
-    parts.extend(sorted(names))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+    files = [file_identity(f) for f in sorted(set(checkpoint.files.values()))]
+    return identity_key(files + sorted(names))
 
 
 def ensure_offload_folder(

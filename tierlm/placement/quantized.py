@@ -18,10 +18,8 @@ from torch import nn
 from tierlm.placement.offload import Unit, _assign
 from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantizes
 from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
-from tierlm.weights.safetensors import NP_VIEWS, header
+from tierlm.weights.safetensors import CODES, DTYPES, header
 
-DTYPES = {code: dtype for code, (_, dtype) in NP_VIEWS.items()}  # safetensors code -> torch dtype
-CODES = {dtype: code for code, dtype in DTYPES.items()}
 ALIGN = 64
 
 

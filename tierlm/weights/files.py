@@ -7,6 +7,7 @@ Nothing here knows about models or tiers; `weights.gguf_cache`, `weights.layout`
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import mmap
 import os
@@ -58,6 +59,17 @@ def page_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     aligned = start - start % page
     return aligned, t.numel() * t.element_size() + (start - aligned)
+
+
+def file_identity(path: Path) -> str:
+    """A file's resolved path, size and modification time: what changes when the file is replaced or edited."""
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def identity_key(parts: list[str]) -> str:
+    """A short, stable name (a folder name in the cache) for the identity `parts` describe."""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
 def atomic_write(target: Path, write) -> None:

@@ -6,7 +6,6 @@ Parsing a GGUF header and dequantizing takes seconds; a cached safetensors file 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import warnings
@@ -15,8 +14,8 @@ from pathlib import Path
 import torch
 
 from tierlm.config import ModelConfig, RopeScaling
-from tierlm.weights.files import atomic_write
-from tierlm.weights.safetensors import SafetensorsCheckpoint
+from tierlm.weights.files import atomic_write, file_identity, identity_key
+from tierlm.weights.safetensors import CODES, SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
 
 
@@ -27,9 +26,7 @@ def cache_root() -> Path:
 
 
 def cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_root() / "gguf" / identity_key([file_identity(gguf_path)])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -85,16 +82,13 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
     return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
 def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, tensors) -> None:
     """Stream (name, tensor) pairs into a safetensors file whose header is known up front."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         nbytes = dtype.itemsize * _numel(shape)
         header[name] = {
-            "dtype": _ST_DTYPES[dtype],
+            "dtype": CODES[dtype],
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }

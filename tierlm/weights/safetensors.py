@@ -48,7 +48,7 @@ class SafetensorsCheckpoint:
         return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._handles[self.files[name]].get_slice(name).get_dtype()]
+        return DTYPES[self._handles[self.files[name]].get_slice(name).get_dtype()]
 
     def nbytes(self, name: str) -> int:
         n = 1
@@ -78,7 +78,8 @@ class SafetensorsCheckpoint:
                 raise ValueError(f"{file.name} lacks tensors its index lists: {', '.join(missing[:5])}")
 
 
-_DTYPES = {
+# safetensors dtype codes <-> torch dtypes: the one table for reading and writing safetensors files.
+DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
@@ -89,6 +90,7 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
@@ -131,14 +133,8 @@ def _check_size(file: Path) -> None:
         )
 
 
-NP_VIEWS = {
-    "F32": ("float32", torch.float32),
-    "F16": ("float16", torch.float16),
-    "BF16": ("int16", torch.bfloat16),
-    "I8": ("int8", torch.int8),
-    "U8": ("uint8", torch.uint8),
-    "I32": ("int32", torch.int32),
-}
+# The numpy dtype a memory-mapped tensor's bytes are read as before its torch view (numpy has no bf16).
+NP_VIEWS = {"F32": "float32", "F16": "float16", "BF16": "int16", "I8": "int8", "U8": "uint8", "I32": "int32"}
 
 
 def header(file: Path) -> tuple[int, dict]:
@@ -161,7 +157,7 @@ def mmap_tensors(
     out = {}
     for name in names:
         info = head[name]
-        np_dtype, dtype = NP_VIEWS[info["dtype"]]
+        np_dtype, dtype = NP_VIEWS[info["dtype"]], DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         count = (end - begin) // np.dtype(np_dtype).itemsize
         arr = np.memmap(file, dtype=np_dtype, mode="c", offset=start + begin, shape=(count,))
