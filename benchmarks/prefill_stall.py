@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_model_file, fmt, median, print_table, status  # noqa: E402
+from common import cpu_header, default_model_file, fmt, machine_load, median, print_table, status  # noqa: E402
 from serve import free_port, wait_ready  # noqa: E402
 
 SERVER_SCRIPT = """
@@ -84,7 +84,8 @@ def prefill_table(model_file: Path, args) -> None:
             [str(chunk or "off"), fmt(total, 2), fmt(median([m for _, m in runs]), 2), f"{total / base:.2f}x"]
         )
     title = (
-        f"prefill of {len(ids)} tokens, fp32, median of {args.runs}; torch threads {torch.get_num_threads()}"
+        f"prefill of {len(ids)} tokens, fp32, median of {args.runs}, {torch.get_num_threads()} threads, "
+        f"{machine_load()}"
     )
     print_table(
         ["chunk", "total s", "longest chunk s", f"total / chunk {args.chunks[0] or 'off'}"], rows, title
@@ -193,7 +194,7 @@ def server_table(model_file: Path, args) -> None:
         "long TTFT s",
         "answered mid-prefill",
     ]
-    title = f"server, fp32, a {args.prompt_tokens}-token prompt being prefilled, median of {args.runs}"
+    title = f"server, fp32, a {args.prompt_tokens}-token prompt prefilled, median of {args.runs}, {machine_load()}"
     print_table(headers, rows, title)
 
 
@@ -215,10 +216,8 @@ def main() -> None:
 
     args = parse_args()
     model_file = args.model or default_model_file()
-    print(
-        f"# {cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"capability {torch.backends.cpu.get_cpu_capability()}, model {model_file.name}"
-    )
+    print(f"# {cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, model {model_file.name}")
+    print(f"# {cpu_header()}")
     if not args.skip_library:
         prefill_table(model_file, args)
     server_table(model_file, args)
