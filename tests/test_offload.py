@@ -106,6 +106,8 @@ def test_auto_map_with_small_budget_goes_to_disk(tmp_path):
     assert model.placement.drop_disk_pages
     for cache in ("static", "dynamic"):
         assert tokens(model, cache) == expected
+    budget_only = tierlm.load(path, dtype="float32", max_memory={"cpu": "4.5MB"})  # implies "auto"
+    assert budget_only.device_map == model.device_map
 
 
 def test_resolved_map_has_hf_shape(tiny_checkpoints):

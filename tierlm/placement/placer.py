@@ -65,9 +65,11 @@ def resolve(
     kv_bytes_per_token: int,
     execution_override: str | None = None,
 ) -> Placement:
-    """Expand or infer the map, check ties, and find the execution device (override: run accelerators there)."""
+    """Expand or infer the map, check ties, and find the execution device (override: run accelerators there).
+
+    A memory budget without a map means "auto" (a budget is only ever read to infer a map)."""
     if device_map is None:
-        device_map = {"": default_device}
+        device_map = "auto" if max_memory else {"": default_device}
     if isinstance(device_map, str):
         if device_map not in STRATEGIES:
             raise ValueError(
