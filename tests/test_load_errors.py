@@ -89,15 +89,6 @@ def test_unexpected_tensor_is_named(tiny_checkpoints, tmp_path):
     assert "unexpected" in one_line(err) and "model.layers.0.mlp.extra_proj.weight" in one_line(err)
 
 
-def test_truncated_gguf(default_model_path, tmp_path):
-    truncated = tmp_path / "cut.gguf"
-    with open(default_model_path, "rb") as f:
-        truncated.write_bytes(f.read(50_000_000))
-    with pytest.raises(ValueError) as err:
-        tierlm.load(truncated)
-    assert "cut.gguf" in one_line(err) and "GGUF" in one_line(err)
-
-
 def write_gguf(path, arch="llama", tensor_type=GGMLQuantizationType.F32, block_count=1):
     writer = GGUFWriter(str(path), arch)
     if block_count is not None:
@@ -212,6 +203,7 @@ def test_truncated_gguf_names_the_tensor_it_cannot_read(default_model_path, tmp_
     with pytest.raises(ValueError) as err:
         tierlm.load(truncated)
     message = one_line(err)
+    assert "cut.gguf" in message and "GGUF" in message
     assert (
         "tensor blk.16.ffn_down.weight could not be read" in message and "past the end of the file" in message
     )

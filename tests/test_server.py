@@ -135,10 +135,15 @@ def narrow(tiny_dir) -> Iterator[Live]:
         yield s
 
 
+def authorized(live) -> httpx.Client:
+    """An HTTP client of the live server that sends the API key."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.Client(base_url=live.url, headers=headers, trust_env=False, timeout=60)
+
+
 @pytest.fixture(scope="module")
 def http(live) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=live.url, headers=headers, trust_env=False, timeout=60) as client:
+    with authorized(live) as client:
         yield client
 
 

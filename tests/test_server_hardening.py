@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from test_server import KEY, NAME, Live, check_error, free_port, serve, write_tokenizer
+from test_server import KEY, NAME, Live, authorized, check_error, free_port, serve, write_tokenizer
 
 import tierlm
 
@@ -50,8 +50,7 @@ def live(small_dir) -> Iterator[Live]:
 
 @pytest.fixture(scope="module")
 def http(live) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=live.url, headers=headers, trust_env=False, timeout=60) as client:
+    with authorized(live) as client:
         yield client
 
 
