@@ -7,7 +7,7 @@ import torch
 from agreement import assert_greedy_agrees, greedy
 
 import tierlm
-from tierlm.models.layers import Attention, grouped_attention
+from tierlm.models.layers import grouped_attention
 
 
 def use_sdpa_for_decode(model, on: bool) -> None:
@@ -45,4 +45,4 @@ def test_grouped_decode_tokens_equal_sdpa_default_model(dtype):
     assert_greedy_agrees(
         grouped, greedy(model, prompt, max_new_tokens=32), dtype
     )  # bf16: logits, tests/agreement.py
-    assert Attention.grouped_decode  # the class default is untouched
+    assert tierlm.load(dtype=dtype).decoder.model.layers[0].self_attn.grouped_decode  # a per-model setting

@@ -145,11 +145,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 class Attention(nn.Module):
-    grouped_decode = True  # single-token steps use grouped_attention; False forces SDPA (tests compare both)
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, grouped_decode: bool = True) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.grouped_decode = grouped_decode  # single-token steps use grouped_attention; False: SDPA
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hd = cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
