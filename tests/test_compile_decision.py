@@ -13,6 +13,14 @@ from tierlm.generation.config import GenerationConfig
 STATIC = GenerationConfig(cache_implementation="static")
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees a process that has warned of nothing yet (warnings are once per cause per process)."""
+    import tierlm.compile
+
+    monkeypatch.setattr(tierlm.compile, "_warned", set())
+
+
 def normalized(m):
     from tierlm.placement.device_map import normalize_device
 
