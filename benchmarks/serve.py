@@ -197,7 +197,10 @@ def main() -> None:
                 stats = httpx.get(f"{server.url}/stats", trust_env=False).json()
                 batch_sizes = stats["batch_sizes"]
         except httpx.HTTPError as e:  # a peer that breaks under load is reported, not fatal
-            print(f"{server.name}: failed under load ({type(e).__name__}: {e}); no numbers for it", file=sys.stderr)
+            print(
+                f"{server.name}: failed under load ({type(e).__name__}: {e}); no numbers for it",
+                file=sys.stderr,
+            )
         finally:
             server.stop()
     base = results["tierlm"]
