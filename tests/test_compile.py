@@ -173,3 +173,13 @@ def test_gpu_seed_map_does_not_compile_and_matches_all_gpu(tiny_checkpoints):
     r = run(offloaded, cache_implementation="static")
     assert not r.stats.compile.compile
     assert r.token_ids == compiled_run.token_ids == run(all_gpu, disable_compile=True).token_ids
+
+
+def test_a_gpu_map_run_on_the_cpu_compiles_only_with_consent(tiny_checkpoints):
+    """execution_device="cpu" makes the CPU the execution device: no compile without compile_config."""
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="float32", device_map={"": 0}, execution_device="cpu"
+    )
+    decision = run(model, n=3).stats.compile
+    assert not decision.compile and decision.device == "cpu"
+    assert decision.reasons == ("execution device 'cpu' compiles only when compile_config is set",)

@@ -102,7 +102,11 @@ class Generation:
         if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
             raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
         self.decision = decide(
-            model.device_map, self.cache, config, uncompilable=model.uncompilable_reasons()
+            model.device_map,
+            self.cache,
+            config,
+            uncompilable=model.uncompilable_reasons(),
+            device=str(model.device),  # the resolved execution device: it honours execution_device=
         )
         warn_if_skipped(self.decision, config)
         if own_cache and self.decision.compile:
