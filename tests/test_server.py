@@ -272,12 +272,15 @@ def test_sixteen_concurrent_streams_each_match_their_solo_run(client, live):
     assert live.stats()["max_batch_size_seen"] > 1
 
 
-def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference):
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "half-on-disk"])
+def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference, offloaded, tmp_path):
     """With compilation on, a batch of 3 runs as 4 (one padding row), so only power-of-two batch sizes
-    ever compile; the padding changes no text."""
+    ever compile; the padding changes no text. An offloaded model is not compiled (decide() says so),
+    so it is not padded either."""
     from tierlm import CompileConfig
 
-    model = tierlm.load(tiny_dir, dtype="float32")
+    placement = dict(device_map={"": "cpu", "model.layers.1": "disk"}, offload_folder=tmp_path)
+    model = tierlm.load(tiny_dir, dtype="float32", **(placement if offloaded else {}))
     config = GenerationConfig(compile_config=CompileConfig(scope="layer"))
     prompts = ["The fox", "Hello there", "tiny words tiny words"]
     with serve(model, max_batch_size=8, generation_config=config) as live:
@@ -297,8 +300,9 @@ def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference
             first.result()
         stats = live.stats()
     assert stats["batch_sizes"].get("3") == 1, stats
-    assert stats["padding_rows"] == 1
-    assert sorted({key[1] for key in model._compiled}) == [1, 4]  # (config, batch, length, dtype)
+    assert stats["padding_rows"] == (0 if offloaded else 1)
+    compiled = sorted({key[1] for key in model._compiled})  # (config, batch, length, dtype)
+    assert compiled == ([] if offloaded else [1, 4])
     assert texts == [library_text(reference, reference.tokenizer.encode(p), 7)[0] for p in prompts]
 
 

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierlm.compile import decide
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import static_cache_length
 
@@ -309,7 +310,13 @@ class Scheduler:
         rows = [r.prompt_ids for r in batch]
         limits = [r.max_tokens for r in batch]
         stops = [r.stops for r in batch]
-        compiles = config.compile_config is not None and not config.disable_compile
+        compiles = decide(  # the one decision: e.g. an offloaded model never compiles, so never pads
+            self.model.device_map,
+            config.cache_implementation,
+            config,
+            uncompilable=self.model.uncompilable_reasons(),
+            device=str(self.model.device),
+        ).compile
         if compiles:
             # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
             # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
