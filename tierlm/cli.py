@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-scope", choices=("model", "layer"))
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--api-key")
+    serve.add_argument(
+        "--replicas", type=int, help="serve through Ray Serve with N model replicas (needs tierlm[ray])"
+    )
+    serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance)")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: 1)")
+    serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (default: 0)")
 
     cache = sub.add_parser("cache", help="list or clear tierlm's cache folder ($TIERLM_CACHE_DIR)")
     cache.add_argument(
@@ -300,6 +306,8 @@ def cmd_serve(args) -> int:
     from tierlm.generation.config import GenerationConfig
     from tierlm.server import run_server
 
+    if args.replicas is not None or args.ray_address:
+        return serve_replicas(args)
     model = load_model(args)
     run_server(
         model,
@@ -309,6 +317,36 @@ def cmd_serve(args) -> int:
         api_key=args.api_key,
         generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
     )
+    return 0
+
+
+def serve_replicas(args) -> int:
+    """`serve --replicas N`: the same server as N Ray Serve replicas, each loading the model itself."""
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.server import ray_app
+
+    ray_app.import_ray()  # a missing extra is the first thing to say
+    if args.model and not Path(args.model).exists():
+        raise FileNotFoundError(f"model not found: {args.model}")
+    cc = compile_config(args)
+    spec = ray_app.ReplicaSpec(
+        load_kwargs={
+            "path": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            **placement_kwargs(args),
+        },
+        app_kwargs={
+            "max_batch_size": args.max_batch_size,
+            "api_key": args.api_key,
+            "generation_config": GenerationConfig(compile_config=cc) if cc else None,
+        },
+        cpus=args.replica_cpus,
+        gpus=args.replica_gpus,
+    )
+    replicas = 1 if args.replicas is None else args.replicas
+    status(f"tierlm: starting {replicas} replica(s) on {args.ray_address or 'a local Ray instance'} ...")
+    ray_app.serve_replicas(replicas, spec, ray_address=args.ray_address, host=args.host, port=args.port)
     return 0
 
 

@@ -1,0 +1,490 @@
+"""`tierlm serve --replicas N`: the OpenAI server as a Ray Serve application, N model replicas behind a router.
+
+Each replica (`TierlmReplica`, a Ray actor of its own) loads the model and runs `build_app(model, ...)`, the
+single-process server's FastAPI app with its own worker thread, in process; requests reach it as ASGI calls
+through a DeploymentHandle and stream back message by message. The router (`TierlmRouter`, the HTTP ingress)
+forwards every route to one replica, which Ray Serve picks (power of two choices over queue lengths), and
+answers `/health` and `/stats` itself by asking every replica (`DeploymentHandle.broadcast`). So routes,
+validation, errors and streaming are the single-process server's own; what Ray adds is which replica answers
+(the `x-tierlm-replica` header), a 503 when that replica dies under a request, and replacing it.
+
+Ray is optional (`pip install 'tierlm[ray]'`): this module imports it only inside functions, and nothing
+imports this module unless `--replicas` is given, so the single-process server never needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierlm.server.errors import GuardMiddleware, error_body
+
+logger = logging.getLogger("tierlm.server")
+
+APP_NAME = "tierlm"
+ROUTER, REPLICA = "TierlmRouter", "TierlmReplica"
+REPLICA_HEADER = "x-tierlm-replica"
+ROUTER_NAME = "router"  # the header's value on answers the router gives itself (health, stats, its errors)
+BROADCAST_TIMEOUT_S = 5.0  # a replica that does not answer /health or /stats within this counts as down
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # requests and chunks are small; Ray's default takes 30% of RAM
+RAY_MISSING = "tierlm serve --replicas needs Ray Serve, which is not installed: pip install 'tierlm[ray]'"
+
+
+def import_ray():
+    """(ray, ray.serve), or a one-line error naming the extra to install."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as err:
+        raise RuntimeError(f"{RAY_MISSING} ({err})") from None
+    return ray, serve
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica loads and serves: tierlm.load's and build_app's keywords, and its Ray resources."""
+
+    load_kwargs: dict = field(default_factory=dict)
+    app_kwargs: dict = field(default_factory=dict)
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.cpus <= 0:
+            raise ValueError(f"--replica-cpus must be > 0, got {self.cpus:g}")
+        if self.gpus < 0:
+            raise ValueError(f"--replica-gpus must be >= 0, got {self.gpus:g}")
+
+    @property
+    def threads(self) -> int:
+        """torch threads per replica: the CPUs it reserved (Ray reserves, it does not pin)."""
+        return max(1, int(self.cpus))
+
+    @property
+    def max_ongoing(self) -> int:
+        """Requests Ray Serve may send one replica at once: what its worker runs and queues. The rest wait in
+        the router, so each replica's queue stays short and new requests go to the least busy one."""
+        batch, queue = self.app_kwargs.get("max_batch_size", 8), self.app_kwargs.get("max_queue", 64)
+        return max(1, batch * 4 + queue)
+
+
+# --- placement: fail before deploying, never wait for resources that do not exist -------------------------
+
+
+def check_resources(nodes: list[dict[str, float]], replicas: int, cpus: float, gpus: float) -> None:
+    """Raise a one-line ValueError unless `replicas` replicas of (cpus, gpus) fit on `nodes` (each node's
+    total resources): a replica lives on one node, so each node holds floor(its CPUs / cpus) of them."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+
+    def fits(node: dict[str, float]) -> int:
+        n = math.floor(node.get("CPU", 0.0) / cpus + 1e-9)
+        return min(n, math.floor(node.get("GPU", 0.0) / gpus + 1e-9)) if gpus > 0 else n
+
+    placeable = sum(fits(node) for node in nodes)
+    if placeable >= replicas:
+        return
+    total_cpus = sum(node.get("CPU", 0.0) for node in nodes)
+    total_gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    asked = f"{replicas} x {cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+    has = f"{total_cpus:g} CPUs" + (f" and {total_gpus:g} GPUs" if gpus else "")
+    raise ValueError(
+        f"--replicas {replicas} cannot be placed: they need {asked}, but the Ray cluster has {has} on "
+        f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} (room for {placeable}); "
+        "lower --replicas or --replica-cpus/--replica-gpus, or add nodes"
+    )
+
+
+def cluster_nodes(ray) -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+# --- the replica: one model, its own worker, the single-process app in process -----------------------------
+
+
+class TierlmReplica:
+    """One model replica: `build_app(model)` driven in process; `handle_http` streams one HTTP exchange."""
+
+    async def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+        from ray import serve
+
+        from tierlm.model import load
+        from tierlm.server.app import build_app
+
+        torch.set_num_threads(spec.threads)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        model = load(**spec.load_kwargs)
+        self.app = build_app(model, **spec.app_kwargs)
+        self.scheduler = self.app.state.tierlm.scheduler
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()  # starts the worker thread, as uvicorn would
+        self._background: set[asyncio.Task] = set()
+        logger.info("replica %s serving (pid %d)", self.name, os.getpid())
+
+    async def handle_http(self, request: dict):
+        """Run one request through the app: yields {"status", "headers"} first, then the body's chunks."""
+        body, sent = request.pop("body"), False
+        disconnected = asyncio.Event()
+        messages: asyncio.Queue = asyncio.Queue()
+
+        async def receive() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {
+            **request,
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "raw_path": request["path"].encode(),
+            "root_path": "",
+            "headers": [(bytes(k), bytes(v)) for k, v in request["headers"]],
+            "client": tuple(request["client"]) if request.get("client") else None,
+            "server": None,
+            "state": {},
+        }
+        task = asyncio.create_task(self.app(scope, receive, messages.put))
+        task.add_done_callback(lambda _t: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
+                    yield {"status": message["status"], "headers": headers}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body"):
+                        break
+        finally:
+            disconnected.set()  # a client that went away (the router cancelled us) cancels its generation
+            self._background.add(task)
+            task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("request ended with %r (already answered by the app)", task.exception())
+
+    async def _get(self, path: str) -> tuple[int, dict]:
+        """GET `path` from the app in process: (status, JSON body)."""
+        request = {"method": "GET", "path": path, "query_string": b"", "headers": [], "body": b""}
+        request.update(scheme="http", http_version="1.1", client=None)
+        status, chunks = 500, []
+        async for item in self.handle_http(request):
+            if isinstance(item, dict):
+                status = item["status"]
+            else:
+                chunks.append(item)
+        return status, json.loads(b"".join(chunks) or b"{}")
+
+    async def replica_health(self) -> dict:
+        status, body = await self._get("/health")
+        return {**body, "replica": self.name, "healthy": status == 200}
+
+    async def replica_stats(self) -> dict:
+        _status, body = await self._get("/stats")
+        return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(), **body}
+
+    async def begin_drain(self, grace_s: float) -> None:
+        """Refuse new requests; those in flight have `grace_s` to finish, as in the single-process server."""
+        self.scheduler.begin_drain(grace_s)
+
+    async def __del__(self) -> None:
+        await self._lifespan.__aexit__(None, None, None)  # stops the worker thread
+
+
+# --- the router: the HTTP ingress ----------------------------------------------------------------------------
+
+
+def _unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What a handle call raises when its replica died or cannot take requests: the client gets a 503."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError)
+
+
+class TierlmRouter:
+    """The ingress: forwards each HTTP request to one replica, answers /health and /stats for all of them."""
+
+    def __init__(self, replicas, expected: int, api_key: str | None, max_body_bytes: int) -> None:
+        self.replicas, self.expected = replicas, expected
+        self.stream = replicas.options(stream=True)
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.unavailable = _unavailable_errors()
+        self.counts = {"requests": 0, "replica_failures": 0}
+
+    def __serve_build_asgi_app__(self):
+        return GuardMiddleware(self._asgi, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+    async def _asgi(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET" and scope["path"] == "/health":
+            status, body = await self.health()
+            await _send_json(send, status, body)
+        elif scope["method"] == "GET" and scope["path"] == "/stats":
+            await _send_json(send, 200, await self.stats())
+        else:
+            await self.forward(scope, receive, send)
+
+    async def _broadcast(self, method: str) -> list:
+        """Every live replica's answer to `method`; a replica that failed or timed out is left out."""
+        try:
+            results = await self.replicas.broadcast(method).results_async(
+                timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            return []
+        return [r for r in results if isinstance(r, dict)]
+
+    async def health(self) -> tuple[int, dict]:
+        """200 only when `expected` replicas answer and every one is healthy."""
+        answers = await self._broadcast("replica_health")
+        healthy = [a for a in answers if a.get("healthy")]
+        if healthy and len(healthy) == len(answers) >= self.expected:
+            status = "ok"
+        elif any(a.get("status") == "shutting_down" for a in answers):
+            status = "shutting_down"
+        else:
+            status = "unavailable"
+        body = {
+            "status": status,
+            "model": next((a["model"] for a in answers if "model" in a), None),
+            "replicas": {a["replica"]: a.get("status") for a in answers},
+            "expected_replicas": self.expected,
+            "healthy_replicas": len(healthy),
+        }
+        return (200 if status == "ok" else 503), body
+
+    async def stats(self) -> dict:
+        answers = await self._broadcast("replica_stats")
+        return {
+            "replicas": {a["replica"]: a for a in answers},
+            "expected_replicas": self.expected,
+            "totals": aggregate_stats(answers),
+            "router": dict(self.counts),
+        }
+
+    async def forward(self, scope, receive, send) -> None:
+        self.counts["requests"] += 1
+        body = await _read_body(receive)
+        request = {
+            "method": scope["method"],
+            "path": scope["path"],
+            "query_string": scope.get("query_string", b""),
+            "headers": list(scope.get("headers", [])),
+            "scheme": scope.get("scheme", "http"),
+            "http_version": scope.get("http_version", "1.1"),
+            "client": scope.get("client"),
+            "body": body,
+        }
+        chunks = self.stream.handle_http.remote(request)
+        streaming, started = False, False
+        try:
+            head = await chunks.__anext__()
+            await send({"type": "http.response.start", "status": head["status"], "headers": head["headers"]})
+            started = True
+            streaming = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in head["headers"]
+            )
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except self.unavailable as err:
+            self.counts["replica_failures"] += 1
+            message = f"the replica serving this request stopped ({type(err).__name__}); retry the request"
+            logger.warning("%s", message)
+            error = error_body(503, message, code="replica_unavailable")
+            if not started:
+                await _send_json(send, 503, error, {"retry-after": "1"})
+            elif streaming:  # the stream has begun: end it as the server ends streams it cannot finish
+                tail = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            else:
+                raise
+        finally:
+            chunks.cancel()  # a no-op when the stream ended; else (client gone) the replica stops generating
+
+
+async def _read_body(receive) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    payload = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(REPLICA_HEADER.encode(), ROUTER_NAME.encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def aggregate_stats(replicas: list[dict]) -> dict:
+    """Counters summed over replicas (`max_*` ones take the maximum), counter tables merged key by key."""
+    totals: dict[str, Any] = {}
+    for stats in replicas:
+        for key, value in stats.items():
+            if key in ("pid", "cpu") or isinstance(value, bool):
+                continue
+            if isinstance(value, int):
+                totals[key] = (
+                    max(totals.get(key, value), value)
+                    if key.startswith("max_")
+                    else totals.get(key, 0) + value
+                )
+            elif isinstance(value, dict) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value.values()
+            ):
+                table = totals.setdefault(key, {})
+                for k, v in value.items():
+                    table[k] = table.get(k, 0) + v
+    return totals
+
+
+# --- the application and its lifetime --------------------------------------------------------------------------
+
+
+def application(replicas: int, spec: ReplicaSpec):
+    """The Ray Serve application: the router bound to `replicas` replicas of `spec`."""
+    _ray, serve = import_ray()
+    replica = serve.deployment(
+        TierlmReplica,
+        name=REPLICA,
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": spec.cpus, "num_gpus": spec.gpus},
+        max_ongoing_requests=spec.max_ongoing,
+        graceful_shutdown_timeout_s=5,  # drain() has already let requests finish
+        graceful_shutdown_wait_loop_s=0.2,
+        health_check_period_s=2,
+        max_constructor_retry_count=2,  # a model that does not load fails the deployment, not retries forever
+    )
+    router = serve.deployment(
+        serve.ingress()(TierlmRouter),
+        name=ROUTER,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},  # routing is I/O; the CPUs are the replicas'
+        max_ongoing_requests=10_000,
+        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_wait_loop_s=0.2,
+    )
+    app_kwargs = spec.app_kwargs
+    return router.bind(
+        replica.bind(spec), replicas, app_kwargs.get("api_key"), app_kwargs.get("max_body_bytes", 1_000_000)
+    )
+
+
+def start_ray(address: str | None, *, num_cpus: int | None = None, object_store_bytes: int | None = None):
+    """Join the cluster at `address`, or start a local Ray instance (no dashboard, a small object store)."""
+    ray, _serve = import_ray()
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=object_store_bytes or LOCAL_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    return ray
+
+
+def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
+    """Check placement, then deploy and wait until every replica has loaded; return the URL."""
+    ray, serve = import_ray()
+    check_resources(cluster_nodes(ray), replicas, spec.cpus, spec.gpus)
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.run(application(replicas, spec), name=APP_NAME, route_prefix="/")
+    except RuntimeError as err:  # the deployment failed: its replicas' error is in the message
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise RuntimeError(f"the replicas failed to start: {lines[-1] if lines else err}") from None
+    return f"http://{host}:{port}"
+
+
+def replica_handle():
+    _ray, serve = import_ray()
+    return serve.get_deployment_handle(REPLICA, app_name=APP_NAME)
+
+
+def drain(grace_s: float) -> None:
+    """Graceful shutdown: replicas refuse new requests and give those in flight `grace_s` to finish (then end
+    them with an error, as the single-process server does); returns when none is left or after the grace."""
+    handle = replica_handle()
+    handle.broadcast("begin_drain", grace_s).results(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+    deadline = time.monotonic() + grace_s + 2
+    while time.monotonic() < deadline:
+        stats = handle.broadcast("replica_stats").results(
+            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
+        )
+        if all(isinstance(s, dict) and not s.get("running") and not s.get("queued") for s in stats):
+            return
+        time.sleep(0.1)
+
+
+def stop(*, keep_cluster: bool) -> None:
+    """Delete the application; on a local instance also stop Serve and Ray."""
+    ray, serve = import_ray()
+    try:
+        if keep_cluster:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_replicas(
+    replicas: int,
+    spec: ReplicaSpec,
+    *,
+    ray_address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_grace_s: float = 10.0,
+) -> None:
+    """`tierlm serve --replicas N`: deploy, serve until SIGINT/SIGTERM, drain, stop."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    start_ray(ray_address)
+    try:
+        url = deploy(replicas, spec, host, port)
+        logger.warning("serving on %s with %d replicas (Ctrl-C stops)", url, replicas)
+        stopping = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
+        while not stopping.wait(1.0):
+            pass
+        logger.warning("shutting down: in-flight requests have %.1f s to finish", shutdown_grace_s)
+        drain(shutdown_grace_s)
+    finally:
+        stop(keep_cluster=bool(ray_address))
