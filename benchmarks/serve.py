@@ -179,12 +179,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-batch-size", type=int, default=16, help="tierlm's batch limit (default: 16)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--replicas",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="instead: Ray Serve with these replica counts vs the single-process server (serve_ray.py)",
+    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     model_file = args.model or default_model_file()
+    if args.replicas:
+        import serve_ray
+
+        return serve_ray.main(args, model_file)
     results: dict[str, dict[int, dict]] = {}
     batch_sizes: dict[str, int] = {}
     for starter in (lambda: start_tierlm(model_file, args), lambda: start_llama(model_file)):
