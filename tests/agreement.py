@@ -41,13 +41,13 @@ class Greedy:
 def greedy(model, prompts, **overrides) -> Greedy:
     """Run `model.generate` greedily, recording the (float32) logits of every step."""
     seen: list[torch.Tensor] = []
-    real = loop.sample_next
+    real = loop.Sampler.__call__
 
-    def spy(logits, **kwargs):
+    def spy(self, logits, *args, **kwargs):
         seen.append(logits.detach().float().cpu().clone())
-        return real(logits, **kwargs)
+        return real(self, logits, *args, **kwargs)
 
-    with patch.object(loop, "sample_next", spy):
+    with patch.object(loop.Sampler, "__call__", spy):
         result = model.generate(prompts, do_sample=False, **overrides)
     return Greedy(result.token_ids, torch.stack(seen, 1))
 

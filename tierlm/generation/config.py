@@ -67,6 +67,24 @@ def _normalize_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _normalize_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    pairs = value.items() if isinstance(value, dict) else value
+    valid = "a dict (or pairs) of token id >= 0 -> a finite number in [-100, 100]"
+    try:
+        out = tuple(
+            sorted(
+                (int(k), v)
+                for k, v in pairs
+                if (_is_int(k) and k >= 0) or (isinstance(k, str) and k.isdigit())
+            )
+        )
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must be {valid}, got {_describe(value)}") from None
+    if len(out) != len(pairs) or not all(_in(v, -100, 100) and math.isfinite(v) for _, v in out):
+        raise ValueError(f"logit_bias must be {valid}, got {value!r}")
+    return tuple((k, float(v)) for k, v in out)
+
+
 def _suggest(name: str, choices: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -84,6 +102,12 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token was generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    n: int = 1  # samples per prompt, sharing one prefill
+    logprobs: int | None = None  # per generated token: its log probability and the top-N (raw logits)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
@@ -120,6 +144,13 @@ class GenerationConfig:
         self._set(
             "repetition_penalty", _check_float("repetition_penalty", r, "> 0", _in(r, 0, math.inf) and r > 0)
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            self._set(name, _check_float(name, v, "in [-2, 2]", _in(v, -2, 2)))
+        self._set("logit_bias", _normalize_bias(self.logit_bias))
+        _check_int("n", self.n, 1)
+        _check_int("logprobs", self.logprobs, 0, optional=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {_describe(self.seed)}")
 

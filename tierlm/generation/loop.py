@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.generation.config import GenerationConfig
-from tierlm.generation.sampling import apply_repetition_penalty, mark_seen, sample_next, suppress_tokens
+from tierlm.generation.sampling import (
+    apply_penalties,
+    apply_repetition_penalty_rows,
+    draw,
+    mark_seen,
+    suppress_tokens,
+    token_logprobs,
+    warp_rows,
+)
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -53,50 +61,151 @@ class LoopState:
     decode_steps: int = 0
     limits: list[int] = field(default_factory=list)  # per-row max_new_tokens (default: the config's)
     cancelled: set[int] = field(default_factory=set)  # rows to end at the next step boundary
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, when the config asks
+
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request draws from seed + i * this (mod 2**64)
+
+
+def row_seed(seed: int, choice: int) -> int:
+    """The seed of sample `choice` of a request seeded with `seed`: choice 0 keeps the request's own."""
+    return (seed + choice * SEED_STRIDE) % 2**64
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log probability (log-softmax of the raw float32 logits) and the most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Sampler:
-    """Logits -> next tokens, holding the per-row state the processors need (seen tokens, RNG)."""
+    """Logits -> next tokens for rows that each have their own settings (a GenerationConfig per row) and
+    their own state (tokens seen, counts, RNG), so a row samples the same tokens whatever rows it shares
+    a batch with. Settings are [rows, 1] tensors; filters no row uses are skipped."""
 
-    def __init__(self, config: GenerationConfig, batch: Batch, vocab: int, eos: torch.Tensor) -> None:
-        self.config, self.eos = config, eos
-        device = batch.ids.device
-        self.generator = None
-        if config.seed is not None and not config.greedy:
-            self.generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.seen = None
-        if config.repetition_penalty != 1.0:
-            self.seen = torch.zeros(batch.ids.shape[0], vocab, dtype=torch.bool, device=device)
-            mark_seen(self.seen, torch.where(batch.mask, batch.ids, batch.ids[:, -1:]))
+    def __init__(self, rows: int, vocab: int, eos: torch.Tensor, device) -> None:
+        self.vocab, self.eos, self.device = vocab, eos, device
 
-    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        c = self.config
+        def full(value, dtype=torch.float32):
+            return torch.full((rows, 1), value, dtype=dtype, device=device)
+
+        self.temperature, self.top_p, self.min_p = full(1.0), full(1.0), full(0.0)
+        self.top_k = full(0, torch.long)
+        self.repetition, self.presence, self.frequency = full(1.0), full(0.0), full(0.0)
+        self.sampled = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.steps, self.min_new = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        self.configs: list[GenerationConfig | None] = [None] * rows
+        self.generators: list[torch.Generator | None] = [None] * rows
+        self.seen = self.counts = self.bias = None  # [rows, vocab], made once a row needs them
+        self.grammar = None  # a grammar.GrammarMask, set before set_row when a row has a response_format
+
+    def set_row(self, row: int, config: GenerationConfig, prompt: list[int], choice: int = 0) -> None:
+        """Give `row` to a new sequence: its settings, its prompt (for the repetition penalty), its RNG."""
+        self.configs[row] = c = config
+        self.temperature[row] = c.temperature if not c.greedy else 1.0
+        self.top_k[row], self.top_p[row], self.min_p[row] = c.top_k, c.top_p, c.min_p
+        self.repetition[row], self.presence[row] = c.repetition_penalty, c.presence_penalty
+        self.frequency[row], self.sampled[row] = c.frequency_penalty, not c.greedy
+        self.steps[row], self.min_new[row] = 0, c.min_new_tokens
+        self.generators[row] = None
+        if not c.greedy:  # unseeded rows draw their seed from torch's global RNG, so manual_seed still rules
+            seed = row_seed(c.seed, choice) if c.seed is not None else int(torch.randint(2**62, ()).item())
+            self.generators[row] = torch.Generator(device=self.device).manual_seed(seed)
+        if c.repetition_penalty != 1.0 and self.seen is None:
+            self.seen = self._table(torch.bool)
         if self.seen is not None:
-            logits = apply_repetition_penalty(logits, self.seen, c.repetition_penalty)
-        if step < c.min_new_tokens:
-            logits = suppress_tokens(logits, self.eos)
-        tokens = sample_next(
-            logits,
-            greedy=c.greedy,
-            temperature=c.temperature,
-            top_k=c.top_k,
-            top_p=c.top_p,
-            min_p=c.min_p,
-            generator=self.generator,
-        )
+            self.seen[row] = False
+            mark_seen(self.seen[row : row + 1], torch.tensor(prompt, device=self.device))
+        if (c.presence_penalty or c.frequency_penalty) and self.counts is None:
+            self.counts = self._table(torch.float32)
+        if self.counts is not None:
+            self.counts[row] = 0
+        if c.logit_bias and self.bias is None:
+            self.bias = self._table(torch.float32)
+        if self.bias is not None:
+            self.bias[row] = 0
+            if c.logit_bias:
+                ids, values = zip(*c.logit_bias)
+                self.bias[row, list(ids)] = torch.tensor(values, device=self.device)
+        if self.grammar is not None:
+            self.grammar.set_row(row, c.response_format)
+
+    def _table(self, dtype) -> torch.Tensor:
+        return torch.zeros(len(self.configs), self.vocab, dtype=dtype, device=self.device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Next tokens [len(rows)] for logits [len(rows), vocab] of `rows` (all rows when None)."""
+        rows = list(range(len(self.configs))) if rows is None else rows
+        index = torch.tensor(rows, device=self.device)
+
+        def pick(table: torch.Tensor) -> torch.Tensor:
+            return table if len(rows) == len(self.configs) else table[index]
+
+        configs = [self.configs[r] for r in rows]
+        logits = logits.float()
         if self.seen is not None:
-            mark_seen(self.seen, tokens)
+            logits = apply_repetition_penalty_rows(logits, pick(self.seen), pick(self.repetition))
+        if self.counts is not None:
+            logits = apply_penalties(logits, pick(self.counts), pick(self.presence), pick(self.frequency))
+        if self.bias is not None:
+            logits = logits + pick(self.bias)
+        if any(c.min_new_tokens for c in configs):  # EOS cannot end a row before its min_new_tokens
+            early = (self.steps[index.cpu()] < self.min_new[index.cpu()]).to(logits.device)[:, None]
+            logits = torch.where(early, suppress_tokens(logits, self.eos), logits)
+        if self.grammar is not None:  # structured output: what a row's grammar forbids gets -inf
+            logits = self.grammar.apply(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        if any(not c.greedy for c in configs):
+            warped = warp_rows(
+                logits, pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.min_p)
+            )
+            noise = torch.ones_like(warped)
+            for i, row in enumerate(rows):
+                if self.generators[row] is not None:
+                    noise[i].exponential_(1, generator=self.generators[row])
+            tokens = torch.where(pick(self.sampled), draw(warped.softmax(dim=-1), noise), tokens)
+        self._record(index, tokens)
+        if self.grammar is not None:
+            self.grammar.advance(rows, tokens.tolist())
         return tokens
+
+    def complete(self, row: int) -> bool:
+        """True once `row`'s response_format grammar has matched a whole document: the row ends."""
+        return self.grammar is not None and self.grammar.complete(row)
+
+    def _record(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.steps[index.cpu()] += 1
+        if self.seen is not None:
+            self.seen[index, tokens] = True
+        if self.counts is not None:
+            self.counts.index_put_(
+                (index, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True
+            )
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int] | None = None):
+        """Per row of `rows` that asked for them, its TokenLogprob (None for the others)."""
+        rows = list(range(len(self.configs))) if rows is None else rows
+        wanted = [self.configs[r].logprobs for r in rows]
+        if all(n is None for n in wanted):
+            return [None] * len(rows)
+        chosen, values, ids = token_logprobs(logits, tokens, max(n or 0 for n in wanted))
+        chosen, values, ids, host = chosen.tolist(), values.tolist(), ids.tolist(), tokens.tolist()
+        return [
+            None if n is None else TokenLogprob(host[i], chosen[i], list(zip(ids[i][:n], values[i][:n])))
+            for i, n in enumerate(wanted)
+        ]
 
 
 def run_decode(
     prefill: Generator[list[StepEvent], None, torch.Tensor],
     step: DecodeStep,
     batch: Batch,
-    config: GenerationConfig,
+    sampler: Sampler,
     eos_ids: tuple[int, ...],
     pad_id: int,
-    vocab: int,
     state: LoopState,
     should_stop: Callable[[int], bool] | None = None,
 ) -> Iterator[list[StepEvent]]:
@@ -104,22 +213,24 @@ def run_decode(
 
     `prefill` yields [] after each chunk of the prompt but the last and returns the last token's logits.
     `step(tokens, positions, slots, length)` gives next-token logits; `length` is the number of cache
-    slots in use after the step (eager steps may read only those).
+    slots in use after the step (eager steps may read only those). `state.limits` holds each row's
+    max_new_tokens; `sampler` each row's settings.
 
-    The only host sync per step reads the new tokens (for EOS and stop strings).
+    The only host sync per step reads the new tokens (for EOS and stop strings), and the log
+    probabilities when a row asked for them.
     """
     b, width = batch.ids.shape
     device = batch.ids.device
-    eos = torch.tensor(eos_ids or (-1,), dtype=torch.long, device=device)
-    sampler = Sampler(config, batch, vocab, eos)
-    limits = state.limits or [config.max_new_tokens] * b
+    limits = state.limits
     state.tokens = [[] for _ in range(b)]
+    state.logprobs = [[] for _ in range(b)]
     state.finish_reasons = [None] * b
     running = [True] * b
 
     logits = yield from prefill  # a unit of work per chunk, so a caller can interleave other generations
     start = time.perf_counter()
-    tokens = sampler(logits, 0)
+    tokens = sampler(logits)
+    logprobs = sampler.logprobs(logits, tokens)
     positions = (batch.mask.sum(-1, keepdim=True) - 1).clone()  # rotary position of each row's last token
     slots = torch.tensor([width], device=device)
     host = tokens.tolist()
@@ -134,9 +245,13 @@ def run_decode(
             if not running[row]:
                 continue
             state.tokens[row].append(host[row])
+            if logprobs[row] is not None:
+                state.logprobs[row].append(logprobs[row])
             reason = None
             stop_hit = should_stop is not None and should_stop(row)  # sees every token, EOS included
-            if stop_hit or host[row] in eos_set:  # EOS cannot be sampled before min_new_tokens
+            if (
+                stop_hit or host[row] in eos_set or sampler.complete(row)
+            ):  # EOS cannot be sampled before min_new_tokens
                 reason = "stop"
             elif row in state.cancelled:
                 reason = "cancelled"
@@ -155,9 +270,10 @@ def run_decode(
         positions += 1
         logits = step(tokens[:, None], positions, slots, width + i + 1)
         slots += 1
-        tokens = sampler(logits, i + 1)
+        tokens = sampler(logits)
         if done is not None:
             tokens = torch.where(done, pad, tokens)
+        logprobs = sampler.logprobs(logits, tokens)
         host = tokens.tolist()
         state.decode_steps += 1
     state.decode_seconds = time.perf_counter() - start

@@ -11,7 +11,18 @@ import torch
 from tierlm.cache import DynamicCache, StaticCache, bucket_length
 from tierlm.compile import CompileDecision, decide, warn_if_skipped
 from tierlm.generation.config import GenerationConfig
-from tierlm.generation.loop import Batch, LoopState, StepEvent, left_pad, run_decode
+from tierlm.generation.grammar import GrammarMask
+from tierlm.generation.loop import (
+    Batch,
+    LoopState,
+    Sampler,
+    StepEvent,
+    TokenLogprob,
+    left_pad,
+    run_decode,
+)
+from tierlm.generation.sampling import token_logprobs
+from tierlm.generation.slots import RowsView
 
 
 @dataclass
@@ -28,10 +39,14 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
+    """One row per prompt and sample (prompt-major: with n=2, rows 0 and 1 are the first prompt's)."""
+
     token_ids: list[list[int]]
     texts: list[str]
     finish_reasons: list[str]
     stats: GenerationStats
+    logprobs: list[list[TokenLogprob]] | None = None  # per generated token, when config.logprobs is set
+    prompt_logprobs: list[list[TokenLogprob | None]] | None = None  # per prompt token; the first is None
 
 
 @dataclass
@@ -84,15 +99,24 @@ class Generation:
         row_max_new_tokens: list[int] | None = None,
         row_stops: list[tuple[str, ...]] | None = None,
         own_cache: bool = False,
+        row_configs: list[GenerationConfig] | None = None,
     ) -> None:
-        """Rows share `config`, except optional per-row max_new_tokens (<= config's) and stop strings.
+        """Rows share `config`, except optional per-row max_new_tokens (<= config's), stop strings and
+        sampling settings (`row_configs`, one per prompt). With config.n > 1 each prompt gets n rows.
 
         own_cache: a static cache of its own rather than the model's reusable one of this shape, for a
         generation that runs beside another of the same shape; it cannot use the model's compiled step.
         """
         self.model, self.config = model, config
         tok = model.tokenizer
-        rows = encode_prompts(tok, prompts)
+        n = config.n
+        prompt_rows = encode_prompts(tok, prompts)
+        rows = [r for r in prompt_rows for _ in range(n)]
+        self.n, self.prompt_count = n, len(prompt_rows)
+        self.row_configs = [c for c in (row_configs or [config] * len(prompt_rows)) for _ in range(n)]
+        self.choices = [i % n for i in range(len(rows))]
+        row_max_new_tokens = _repeat(row_max_new_tokens, n)
+        row_stops = _repeat(row_stops, n)
         cfg = model.config
         self.eos_ids = config.eos_token_id or tuple(tok.eos_token_ids if tok else cfg.eos_token_ids)
         pad = tok.pad_token_id if tok is not None else cfg.pad_token_id
@@ -107,6 +131,7 @@ class Generation:
             config,
             uncompilable=model.uncompilable_reasons(),
             device=str(model.device),  # the resolved execution device: it honours execution_device=
+            layers=model.config.num_layers,
         )
         warn_if_skipped(self.decision, config)
         if own_cache and self.decision.compile:
@@ -116,7 +141,8 @@ class Generation:
         self.step = self._step()  # taken now, beside the cache it is built for
         self.prefilled = False  # the whole prompt is in the cache
         self._units: Iterator[list[StepEvent]] | None = None
-        self.state = LoopState(limits=list(row_max_new_tokens or []))
+        self.state = LoopState(limits=list(row_max_new_tokens or [config.max_new_tokens] * len(rows)))
+        self.prompt_logprobs: list[list[TokenLogprob | None]] | None = None
         stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
         if tok is not None:
@@ -143,32 +169,47 @@ class Generation:
 
         Each chunk attends to the cached keys of the chunks before it: the same attention as one forward of
         the whole prompt, in smaller matmuls (and a [chunk, length] score matrix, not [width, width]).
+        With n > 1 and a static cache, one row per prompt is prefilled and copied to its n - 1 siblings.
         """
         ids, mask = self.batch.ids, self.batch.mask
+        share = self.n > 1 and isinstance(self.cache, StaticCache)
+        cache = RowsView(self.cache, slice(None, None, self.n)) if share else self.cache
+        if share:
+            ids, mask = ids[:: self.n], mask[:: self.n]
         width = ids.shape[1]
         chunk = self.config.prefill_chunk or width
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as the decoder computes them for a whole row
+        wanted = [c.prompt_logprobs for c in self.row_configs[:: self.n]]
+        top = None if all(w is None for w in wanted) else max(w or 0 for w in wanted)
+        prompt_lp = PromptLogprobs(ids, mask, top) if top is not None else None
         for start in range(0, width, chunk):
             began, end = time.perf_counter(), min(start + chunk, width)
-            if isinstance(self.cache, StaticCache):
-                self.cache.limit = end  # read only the slots written so far
+            cache.limit = end  # read only the slots written so far (a dynamic cache ignores it)
             logits = self.model.decoder(
                 ids[:, start:end],
                 attention_mask=mask[:, start:end],
                 positions=positions[:, start:end],
-                cache=self.cache,
+                cache=cache,
                 slots=torch.arange(start, end, device=ids.device),
-                last_only=True,
+                last_only=prompt_lp is None,
             )
+            if prompt_lp is not None:
+                prompt_lp.add(logits, start)
             self.state.prefill_seconds += time.perf_counter() - began
             if end < width:
                 yield []
+        if prompt_lp is not None:
+            self.prompt_logprobs = _repeat(prompt_lp.rows(wanted), self.n)
+        last = logits[:, -1].float()
+        if share:
+            cache.copy_to_siblings(self.n, width)
+            last = last.repeat_interleave(self.n, dim=0)
         self.prefilled = True
-        return logits[:, -1].float()
+        return last
 
     def _step(self):
         if self.decision.compile:
-            return self.model.compiled_step(self.cache, self.config.compile_config)
+            return self.model.compiled_step(self.cache, self.decision.config)  # scope "layer" under offload
         return self.model.eager_step(self.cache)
 
     def events(self) -> Iterator[list[StepEvent]]:
@@ -182,14 +223,24 @@ class Generation:
             self._prefill(),
             self.step,
             self.batch,
-            self.config,
+            self._sampler(),
             self.eos_ids,
             self.pad_id,
-            self.model.config.vocab_size,
             self.state,
             self._tracked(should_stop),
         )
         yield from loop
+
+    def _sampler(self) -> Sampler:
+        eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.batch.ids.device)
+        b = self.batch.ids.shape[0]
+        sampler = Sampler(b, self.model.config.vocab_size, eos, self.batch.ids.device)
+        if any(c.response_format is not None for c in self.row_configs):
+            sampler.grammar = GrammarMask(self.model.tokenizer, b, self.model.config.vocab_size, self.eos_ids)
+        for row in range(b):
+            prompt = self.batch.ids[row][self.batch.mask[row]].tolist()
+            sampler.set_row(row, self.row_configs[row], prompt, self.choices[row])
+        return sampler
 
     def _tracked(self, should_stop):
         """Feed each new token to its row's text tracker before the loop asks whether to stop."""
@@ -248,7 +299,47 @@ class Generation:
             cache=self.cache.kind,
             compile=self.decision,
         )
-        return GenerationResult(s.tokens, texts, [r or "length" for r in s.finish_reasons], stats)
+        logprobs = s.logprobs if any(c.logprobs is not None for c in self.row_configs) else None
+        reasons = [r or "length" for r in s.finish_reasons]
+        return GenerationResult(s.tokens, texts, reasons, stats, logprobs, self.prompt_logprobs)
+
+
+class PromptLogprobs:
+    """Collects, chunk by chunk of a prefill, each prompt token's log probability given those before it."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, top: int) -> None:
+        self.ids, self.mask, self.top = ids, mask, top
+        self.parts: list[tuple[list, list, list]] = []
+
+    def add(self, logits: torch.Tensor, start: int) -> None:
+        """logits [b, chunk, vocab] of columns start.. predict the tokens one column later."""
+        end = min(start + logits.shape[1], self.ids.shape[1] - 1)
+        if end <= start:
+            return
+        chosen, values, ids = token_logprobs(
+            logits[:, : end - start], self.ids[:, start + 1 : end + 1], self.top
+        )
+        self.parts.append((chosen.tolist(), values.tolist(), ids.tolist()))
+
+    def rows(self, wanted: list[int | None]) -> list[list[TokenLogprob | None]]:
+        out = []
+        width = self.ids.shape[1]
+        for row, n in enumerate(wanted):
+            chosen = [v for part in self.parts for v in part[0][row]]
+            values = [v for part in self.parts for v in part[1][row]]
+            top_ids = [v for part in self.parts for v in part[2][row]]
+            first = width - int(self.mask[row].sum())  # left padding
+            entries: list[TokenLogprob | None] = [None]
+            for col in range(first + 1, width):
+                top = list(zip(top_ids[col - 1][: n or 0], values[col - 1][: n or 0]))
+                entries.append(TokenLogprob(int(self.ids[row, col]), chosen[col - 1], top))
+            out.append(entries if n is not None else None)
+        return out
+
+
+def _repeat(rows: list | None, n: int) -> list | None:
+    """Each entry n times in a row (the rows of n samples of one prompt), or None."""
+    return None if rows is None else [r for r in rows for _ in range(n)]
 
 
 def static_cache_length(config: GenerationConfig, model_config, width: int) -> int | None:

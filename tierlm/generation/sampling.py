@@ -114,3 +114,62 @@ def sample_next(
     # exponential_ may return exactly 0, and 0 / 0 = NaN would win the argmax for a filtered token
     noise = noise.clamp_min(torch.finfo(torch.float32).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+# --- per-row settings: each row of a batch carries its own hyperparameters as [batch, 1] tensors ----------------
+
+
+def apply_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit - frequency * count - presence * (count > 0).
+
+    counts [batch, vocab] says how often each token was generated so far (not the prompt);
+    presence and frequency are [batch, 1].
+    """
+    return logits.float() - frequency * counts - presence * (counts > 0).float()
+
+
+def apply_repetition_penalty_rows(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """apply_repetition_penalty with a [batch, 1] penalty per row (1 leaves a row alone)."""
+    logits = logits.float()
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def warp_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """warp_logits with [batch, 1] settings per row: top_k 0, top_p 1 and min_p 0 disable their filter."""
+    logits = logits.float() / temperature
+    ordered = logits.sort(dim=-1, descending=True).values
+    kth = ordered.gather(-1, (top_k - 1).clamp(0, logits.shape[-1] - 1))
+    logits = logits.masked_fill((top_k > 0) & (logits < kth), _NEG_INF)
+    ascending, order = logits.sort(dim=-1)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    remove[..., -1:] = False  # the most likely token always stays
+    logits = logits.masked_fill(remove.scatter(-1, order, remove), _NEG_INF)
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _NEG_INF)
+
+
+def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / noise) with Exponential(1) noise: token i with probability probs[i]."""
+    return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-softmax of the raw float32 logits [..., vocab]: the chosen tokens' values [...] and the `top`
+    most likely tokens' values and ids [..., top], most likely first."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[..., :0], tokens[..., None][..., :0])
+    return chosen, values, ids

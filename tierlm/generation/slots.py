@@ -1,0 +1,104 @@
+"""Rows of a static cache: a view that prefills some rows only, and the copy of a prefill to sibling rows."""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.cache import StaticCache
+
+
+class RowsView:
+    """Some rows (a slice of the batch) of a StaticCache, for a forward that fills only those rows.
+
+    Writes go through to the cache; reads see the first `limit` slots, as StaticCache's own do.
+    """
+
+    kind = "static"
+    is_compileable = False
+
+    def __init__(self, cache: StaticCache, rows: slice) -> None:
+        self.cache, self.rows = cache, rows
+        self.keys = [k[rows] for k in cache.keys]
+        self.values = [v[rows] for v in cache.values]
+        self.valid = cache.valid[rows]
+        self.limit = cache.limit
+
+    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+        self.valid.index_copy_(1, slots, new_valid)
+        return self.valid[:, : self.limit]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        self.keys[layer].index_copy_(2, slots, k)
+        self.values[layer].index_copy_(2, slots, v)
+        return self.keys[layer][:, :, : self.limit], self.values[layer][:, :, : self.limit]
+
+    def copy_to_siblings(self, n: int, width: int) -> None:
+        """Rows come in groups of n (this view holds each group's first): copy its first `width` slots to
+        the other n - 1 rows of its group, so n samples share one prefill."""
+        c = self.cache
+        groups = c.batch // n
+        for t in (*c.keys, *c.values):
+            grouped = t.view(groups, n, *t.shape[1:])
+            grouped[:, 1:, :, :width] = grouped[:, :1, :, :width]
+        valid = c.valid.view(groups, n, -1)
+        valid[:, 1:, :width] = valid[:, :1, :width]
+
+
+class SlotCache:
+    """The first `rows` rows of a StaticCache whose rows each write at a slot of their own (continuous
+    batching: a row's slot is its own position, whoever else is in the batch).
+
+    A decode step is called with `slots` = [scratch], one column shared by the batch: each row's new K/V
+    goes to its own slot (`row_slots`) and to the scratch column, where the row's query sees it (the
+    decoder lets every query see its own column). A row's own slot becomes valid only after the step
+    (`commit`), so its token counts once. The scratch column is past every slot a row has written, so
+    what is left there is overwritten before it is ever valid.
+    """
+
+    kind = "static"
+    is_compileable = True
+
+    def __init__(self, cache: StaticCache, rows: int) -> None:
+        self.cache, self.batch, self.max_len = cache, rows, cache.max_len
+        self.keys = [k[:rows] for k in cache.keys]
+        self.values = [v[:rows] for v in cache.values]
+        self.valid = cache.valid[:rows]
+        self.row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
+        torch._dynamo.mark_static_address(self.row_slots)
+        self.limit = cache.max_len
+        self.views = [SlotLayerView(k, v, self.row_slots) for k, v in zip(self.keys, self.values)]
+
+    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+        return self.valid[:, : self.limit]  # this step's tokens are seen at the scratch column
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        keys, values = self.views[layer].update(layer, k, v, slots)
+        return keys[:, :, : self.limit], values[:, :, : self.limit]
+
+    def commit(self, active: torch.Tensor) -> None:
+        """After a step: the slots the `active` rows [rows] bool just wrote hold valid keys from now on."""
+        self.valid.scatter_(1, self.row_slots, active[:, None])
+
+
+class SlotLayerView:
+    """One layer of a SlotCache (also the compiled layer body's view: it never reads the layer index)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor) -> None:
+        self.keys, self.values, self.row_slots = keys, values, row_slots
+
+    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        where = self.row_slots[:, None, :, None].expand_as(k)
+        for store, new in ((self.keys, k), (self.values, v)):
+            store.scatter_(2, where, new)  # the row's own slot
+            store.index_copy_(2, slots, new)  # the scratch column, where this step's queries see it
+        return self.keys, self.values
+
+
+def copy_rows(cache: StaticCache, source: int, targets: list[int], width: int) -> None:
+    """Copy row `source`'s first `width` slots (K/V and validity) to rows `targets` (n samples of a prompt)."""
+    if not targets:
+        return
+    index = torch.tensor(targets, dtype=torch.long, device=cache.valid.device)
+    for t in (*cache.keys, *cache.values):
+        t[index, :, :width] = t[source, :, :width]
+    cache.valid[index, :width] = cache.valid[source, :width]
