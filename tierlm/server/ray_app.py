@@ -36,6 +36,10 @@ REPLICA_HEADER = "x-tierlm-replica"
 ROUTER_NAME = "router"  # the header's value on answers the router gives itself (health, stats, its errors)
 BROADCAST_TIMEOUT_S = 5.0  # a replica that does not answer /health or /stats within this counts as down
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # requests and chunks are small; Ray's default takes 30% of RAM
+# Ray Serve's own switch for lower per-request overhead (user code and the handle's router on the replica's
+# event loop, buffered request logs, gRPC between deployments): it halves the router's added latency here.
+# Direct ingress (replicas with HTTP ports of their own) stays off: the router is the one way in.
+LOCAL_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 RAY_MISSING = "tierlm serve --replicas needs Ray Serve, which is not installed: pip install 'tierlm[ray]'"
 
 
@@ -123,7 +127,7 @@ class TierlmReplica:
 
         torch.set_num_threads(spec.threads)
         self.name = serve.get_replica_context().replica_id.unique_id
-        model = load(**spec.load_kwargs)
+        model = await asyncio.to_thread(load, **spec.load_kwargs)  # the replica's event loop stays responsive
         self.app = build_app(model, **spec.app_kwargs)
         self.scheduler = self.app.state.tierlm.scheduler
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -407,14 +411,24 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, object_store_
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     else:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            object_store_memory=object_store_bytes or LOCAL_OBJECT_STORE_BYTES,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        # The local instance's processes (and the replicas they start) inherit the environment at ray.init.
+        saved = {key: os.environ.get(key) for key in LOCAL_SERVE_ENV}
+        os.environ.update({key: os.environ.get(key) or value for key, value in LOCAL_SERVE_ENV.items()})
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                object_store_memory=object_store_bytes or LOCAL_OBJECT_STORE_BYTES,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return ray
 
 
