@@ -437,12 +437,28 @@ def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int 
     ray, serve = import_ray()
     check_resources(cluster_nodes(ray), replicas, spec.cpus, spec.gpus)
     serve.start(http_options={"host": host, "port": port})
-    try:
-        serve.run(application(replicas, spec), name=APP_NAME, route_prefix="/")
-    except RuntimeError as err:  # the deployment failed: its replicas' error is in the message
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise RuntimeError(f"the replicas failed to start: {lines[-1] if lines else err}") from None
+    target = serve.RunTarget(target=application(replicas, spec), name=APP_NAME, route_prefix="/")
+    serve.run_many([target], wait_for_applications_running=False)
+    _wait_running(serve)
     return f"http://{host}:{port}"
+
+
+def _wait_running(serve) -> None:
+    """Until the application runs; a one-line error when it failed, or when Ray Serve reports replicas it could
+    not schedule (resources in use elsewhere on the cluster: after RAY_SERVE_SLOW_STARTUP_WARNING_S, 30 s)."""
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        status = str(getattr(app, "status", ""))
+        if status.endswith("RUNNING"):
+            return
+        messages = [d.message for d in app.deployments.values()] + [app.message] if app else []
+        unscheduled = next((m for m in messages if "to be scheduled" in (m or "")), None)
+        if unscheduled or status.endswith("DEPLOY_FAILED"):
+            detail = unscheduled or next((m for m in messages if m), status)
+            lines = [line.strip() for line in detail.splitlines() if line.strip()]
+            what = "cannot be placed" if unscheduled else "failed to start"
+            raise RuntimeError(f"the replicas {what}: {lines[-1] if lines else status}")
+        time.sleep(0.5)
 
 
 def replica_handle():
