@@ -1,7 +1,9 @@
-"""KV caches with one contract: mark_valid() records which slots hold real tokens, update() stores K/V.
+"""KV caches with one contract: mark_valid() (and sliding_keys() for a model with sliding layers)
+records which slots hold real tokens, update() stores K/V.
 
-`static` preallocates max_len slots written in place with index_copy_ (compilable, fixed shapes);
-`dynamic` grows by concatenation. Both give the same tokens.
+`static` preallocates max_len slots written in place with index_copy_ (compilable, fixed shapes), and a
+ring buffer of window slots for each sliding-window layer (Gemma 3); `dynamic` grows by concatenation.
+Both give the same tokens.
 """
 
 from __future__ import annotations
@@ -22,34 +24,93 @@ def bucket_length(needed: int, limit: int) -> int:
 
 
 class StaticCache:
-    """Preallocated K/V of shape [batch, kv_heads, max_len, head_dim] per layer."""
+    """Preallocated K/V of shape [batch, kv_heads, max_len, head_dim] per layer; a sliding layer's is a
+    ring buffer of min(window, max_len) slots (`RingLayerView`)."""
 
     is_compileable = True
     kind = "static"
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.batch, self.max_len = batch, max_len
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        ring = min(cfg.sliding_window or max_len, max_len)
+        self.ring = ring
+
+        def zeros(i: int) -> torch.Tensor:
+            length = ring if cfg.is_sliding(i) else max_len
+            return torch.zeros(batch, cfg.num_kv_heads, length, cfg.head_dim, dtype=dtype, device=device)
+
+        self.keys = [zeros(i) for i in range(cfg.num_layers)]
+        self.values = [zeros(i) for i in range(cfg.num_layers)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        # What the ring slots hold, shared by every sliding layer: the column (-1: nothing) and validity.
+        self.ring_cols = torch.full((ring,), -1, dtype=torch.long, device=device)
+        self.ring_valid = torch.zeros(batch, ring, dtype=torch.bool, device=device)
         self.limit = max_len  # eager decoding may read only the first `limit` slots (a Python int)
-        for t in (*self.keys, *self.values, self.valid):
+        for t in (*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid):
             torch._dynamo.mark_static_address(t)
-        self.views = [StaticLayerView(k, v, max_len) for k, v in zip(self.keys, self.values)]
+        self.views = [
+            RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v, max_len)
+            for i, (k, v) in enumerate(zip(self.keys, self.values))
+        ]
 
     def reset(self) -> None:
         self.valid.zero_()  # stale K/V stay behind the mask; they are finite, so they are harmless
+        self.ring_valid.zero_()
+        self.ring_cols.fill_(-1)  # a stale column could pass for a query's own key
         self.limit = self.max_len
 
     def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
         self.valid.index_copy_(1, slots, new_valid)
         return self.valid[:, : self.limit]
 
+    def sliding_keys(self, slots: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns [L] and validity [b, L] of the keys a sliding layer attends to in this call (what
+        RingLayerView.update returns), and the ring's bookkeeping advanced past it. Call once per forward."""
+        s = slots.shape[0]
+        if s == 1:  # decode: written first, then the ring is read
+            self.ring_cols.index_copy_(0, slots % self.ring, slots)
+            self.ring_valid.index_copy_(1, slots % self.ring, new_valid)
+            return self.ring_cols, self.ring_valid
+        cols = torch.cat((self.ring_cols, slots))
+        valid = torch.cat((self.ring_valid, new_valid.to(torch.bool)), dim=1)
+        keep = min(s, self.ring)  # the chunk's last `ring` columns stay for the next call
+        self.ring_cols.index_copy_(0, slots[-keep:] % self.ring, slots[-keep:])
+        self.ring_valid.index_copy_(1, slots[-keep:] % self.ring, new_valid[:, -keep:].to(torch.bool))
+        return cols, valid
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        view = self.views[layer]
+        if isinstance(view, RingLayerView):
+            return view.update(layer, k, v, slots)
         self.keys[layer].index_copy_(2, slots, k)
         self.values[layer].index_copy_(2, slots, v)
         return self.keys[layer][:, :, : self.limit], self.values[layer][:, :, : self.limit]
+
+
+class RingLayerView:
+    """A sliding layer's K/V: a static ring of `ring` slots, column c in slot c % ring (index_copy_).
+
+    A decode step writes its token, then attends over the whole ring (which then holds the last `ring`
+    columns). A prefill chunk attends over the ring as it was plus the chunk's own K/V (the window mask
+    applies inside the chunk too), then leaves its last `ring` tokens in the ring.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.ring = keys.shape[2]
+
+    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        s = slots.shape[0]
+        if s == 1:
+            self.keys.index_copy_(2, slots % self.ring, k)
+            self.values.index_copy_(2, slots % self.ring, v)
+            return self.keys, self.values
+        all_k, all_v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        keep = min(s, self.ring)
+        where = slots[-keep:] % self.ring
+        self.keys.index_copy_(2, where, k[:, :, -keep:])
+        self.values.index_copy_(2, where, v[:, :, -keep:])
+        return all_k, all_v
 
 
 class StaticLayerView:
@@ -78,6 +139,10 @@ class DynamicCache:
     def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
         self.valid = torch.cat((self.valid, new_valid.to(torch.bool)), dim=1)
         return self.valid
+
+    def sliding_keys(self, slots: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding layers keep every key here; the window is the mask's (after mark_valid)."""
+        return torch.arange(self.valid.shape[1], device=self.valid.device), self.valid
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
         if self.keys[layer] is not None:

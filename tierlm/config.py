@@ -23,6 +23,11 @@ class Family:
     o_bias: bool | None  # None: follow config.json's `attention_bias`
     qk_norm: bool  # RMSNorm over head_dim on q and k before rotary (Qwen3)
     gguf_permuted_qk: bool  # llama.cpp's converter permuted q/k rows for this family
+    # Gemma 3 traits (models/gemma3.py holds the code they select):
+    gemma_norms: bool = False  # RMSNorm scales by (1 + weight) in fp32; four norms per layer
+    activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (rounded to the weights' dtype)
+    layer_kinds: bool = False  # per-layer sliding/full attention (`layer_types`), two rotary bases
 
 
 FAMILIES: dict[str, Family] = {
@@ -30,6 +35,17 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family("mistral", False, False, qk_norm=False, gguf_permuted_qk=True),
     "Qwen2ForCausalLM": Family("qwen2", True, False, qk_norm=False, gguf_permuted_qk=False),
     "Qwen3ForCausalLM": Family("qwen3", None, None, qk_norm=True, gguf_permuted_qk=False),
+    "Gemma3ForCausalLM": Family(
+        "gemma3",
+        None,
+        None,
+        qk_norm=True,
+        gguf_permuted_qk=False,
+        gemma_norms=True,
+        activation="gelu_tanh",
+        embed_scale=True,
+        layer_kinds=True,
+    ),
 }
 
 # HF `model_type` (config.json) and GGUF `general.architecture` -> HF architecture name.
@@ -38,7 +54,12 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # GGUF general.architecture
 }
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF `layer_types` values
+GGUF_SLIDING_PATTERN = 6  # Gemma 3 GGUFs list no layer types: every sixth layer is global (llama.cpp, HF)
 
 
 def family_for(architecture: str) -> Family:
@@ -89,9 +110,26 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     torch_dtype: str | None = None  # the checkpoint's own dtype name, e.g. "bfloat16"
+    # Per-layer attention (Gemma 3): () means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_theta: float = 10000.0  # rotary base of the sliding layers (no scaling)
+    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         family_for(self.architecture)  # raises on unsupported architectures
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}"
+                )
+            odd = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if odd:
+                raise ValueError(f"unsupported layer type(s) {odd}; supported: {SLIDING}, {FULL}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding layers but sliding_window is not set")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config {name} must be positive, got {getattr(self, name)}")
@@ -103,6 +141,25 @@ class ModelConfig:
     @property
     def family(self) -> Family:
         return family_for(self.architecture)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends over a sliding window (Gemma 3's local layers)."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sliding(i))
+
+    def kv_slots(self, tokens: int) -> int:
+        """K/V slots, summed over layers, that a cache of `tokens` tokens holds: a sliding layer keeps at
+        most its window (a ring buffer), a full layer every token."""
+        window = min(tokens, self.sliding_window or tokens)
+        return sum(window if self.is_sliding(i) else tokens for i in range(self.num_layers))
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k scores: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def qkv_bias(self) -> bool:
@@ -129,12 +186,17 @@ class ModelConfig:
         arch = _architecture(raw)
         hidden = positive_int(raw, "hidden_size")
         num_heads = positive_int(raw, "num_attention_heads")
-        theta, scaling = _rope(raw)
+        num_layers = positive_int(raw, "num_hidden_layers")
+        kinds: dict[str, Any] = {}
+        if family_for(arch).layer_kinds:
+            theta, scaling, kinds = _layer_kinds(raw, num_layers)
+        else:
+            theta, scaling = _rope(raw)
         return cls(
             architecture=arch,
             vocab_size=positive_int(raw, "vocab_size"),
             hidden_size=hidden,
-            num_layers=positive_int(raw, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=positive_int(raw, "num_key_value_heads", num_heads),
             head_dim=positive_int(raw, "head_dim", hidden // num_heads),
@@ -149,6 +211,7 @@ class ModelConfig:
             eos_token_ids=token_ids(raw, "eos_token_id"),
             pad_token_id=token_id(raw, "pad_token_id"),
             torch_dtype=_dtype_name(raw),
+            **kinds,
         )
 
     @classmethod
@@ -163,7 +226,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], n_vocab_tensor: int | None = None) -> ModelConfig:
-        """Build from GGUF key/values (`general.architecture` = llama, mistral, qwen2, qwen3)."""
+        """Build from GGUF key/values (`general.architecture` = llama, mistral, qwen2, qwen3, gemma3)."""
         arch_name = meta.get("general.architecture")
         if arch_name not in MODEL_TYPES:
             supported = ", ".join(MODEL_TYPES)
@@ -180,6 +243,20 @@ class ModelConfig:
         scaling = RopeScaling()
         if keys.get("rope.scaling.type") == "linear":
             scaling = RopeScaling("linear", factor=positive_float(keys, "rope.scaling.factor", 1.0, prefix))
+        head_dim = count("attention.key_length", count("rope.dimension_count", hidden // num_heads))
+        kinds: dict[str, Any] = {}
+        if family_for(MODEL_TYPES[arch_name]).layer_kinds:
+            # llama.cpp's reading: every sixth layer global, a local base of 10000, and scores scaled by
+            # head_dim ** -0.5 (what query_pre_attn_scalar is for every released size but 27B).
+            n = count("block_count")
+            kinds = {
+                "layer_types": tuple(SLIDING if (i + 1) % GGUF_SLIDING_PATTERN else FULL for i in range(n)),
+                "sliding_window": count("attention.sliding_window"),
+                "rope_local_theta": 10000.0,
+                "query_pre_attn_scalar": float(head_dim),
+                "attn_logit_softcapping": _optional_positive(keys, "attn_logit_softcapping"),
+                "final_logit_softcapping": _optional_positive(keys, "final_logit_softcapping"),
+            }
         return cls(
             architecture=MODEL_TYPES[arch_name],
             vocab_size=positive_int({"vocab_size": vocab}, "vocab_size", prefix=prefix),
@@ -187,7 +264,7 @@ class ModelConfig:
             num_layers=count("block_count"),
             num_heads=num_heads,
             num_kv_heads=count("attention.head_count_kv", num_heads),
-            head_dim=count("attention.key_length", count("rope.dimension_count", hidden // num_heads)),
+            head_dim=head_dim,
             intermediate_size=count("feed_forward_length"),
             rms_norm_eps=positive_float(keys, "attention.layer_norm_rms_epsilon", 1e-6, prefix),
             rope_theta=positive_float(keys, "rope.freq_base", 10000.0, prefix),
@@ -199,6 +276,7 @@ class ModelConfig:
             eos_token_ids=token_ids(meta, "tokenizer.ggml.eos_token_id"),
             pad_token_id=token_id(meta, "tokenizer.ggml.padding_token_id"),
             torch_dtype=None,
+            **kinds,
         )
 
 
@@ -216,6 +294,47 @@ def _architecture(raw: dict[str, Any]) -> str:
         arch = str(raw.get("model_type"))
     family_for(arch)  # clear error for unsupported ones
     return arch
+
+
+def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScaling, dict[str, Any]]:
+    """Gemma 3: the global rope (theta, scaling), and the per-layer fields, from v5 (`rope_parameters`
+    keyed by layer type) or v4 (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) keys."""
+    params = raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f'field "rope_parameters" must be an object, got {_shown(params)}')
+    if FULL in params or SLIDING in params:
+        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ValueError(f'field "rope_parameters" must map layer types to objects, got {_shown(params)}')
+        if (local.get("rope_type") or "default") != "default":
+            raise ValueError(f"unsupported rope type {local['rope_type']!r} for sliding layers")
+        theta, scaling = _rope({"rope_parameters": full, "rope_theta": 1_000_000.0})
+        local_theta = positive_float(local, "rope_theta", 10000.0, "rope_parameters.sliding_attention.")
+    else:
+        theta, scaling = _rope({"rope_theta": 1_000_000.0, **raw})
+        local_theta = positive_float(raw, "rope_local_base_freq", 10000.0)
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = positive_int(raw, "sliding_window_pattern", GGUF_SLIDING_PATTERN)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
+    window = raw.get("sliding_window")
+    kinds = {
+        "layer_types": tuple(types),
+        "sliding_window": positive_int(raw, "sliding_window") if window is not None else None,
+        "rope_local_theta": local_theta,
+        "query_pre_attn_scalar": positive_float(raw, "query_pre_attn_scalar", 256.0),
+        "attn_logit_softcapping": _optional_positive(raw, "attn_logit_softcapping"),
+        "final_logit_softcapping": _optional_positive(raw, "final_logit_softcapping"),
+    }
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+    return theta, scaling, kinds
+
+
+def _optional_positive(raw: dict[str, Any], key: str) -> float | None:
+    return None if raw.get(key) is None else positive_float(raw, key, 1.0)
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:

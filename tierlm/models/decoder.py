@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from tierlm.config import ModelConfig
-from tierlm.models.layers import DecoderLayer, Linear, RMSNorm, rope_tables
+from tierlm.config import ModelConfig, RopeScaling
+from tierlm.models.gemma3 import Gemma3DecoderLayer
+from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
@@ -16,9 +19,11 @@ class DecoderBody(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        gemma = cfg.family.gemma_norms
+        layer = Gemma3DecoderLayer if gemma else DecoderLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = (GemmaRMSNorm if gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Decoder(nn.Module):
@@ -32,6 +37,10 @@ class Decoder(nn.Module):
         self.compute_dtype = torch.float32  # set by the loader
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        # Sliding layers (Gemma 3): their own rotary base, a windowed mask.
+        self.sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
+        self.local_cos: torch.Tensor | None = None
+        self.local_sin: torch.Tensor | None = None
 
     def fuse_projections(self, skip: tuple[str, ...] = ()) -> None:
         """Fuse q/k/v and gate/up of every layer not under a `skip` prefix (offloaded layers stay apart)."""
@@ -41,6 +50,12 @@ class Decoder(nn.Module):
                 continue
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def unfuse_projections(self) -> None:
+        """Run every layer on its separate projections (views of the fused weights), as offloaded layers do."""
+        for layer in self.model.layers:
+            layer.self_attn.fused = None
+            layer.mlp.fused = None
 
     def widen_prefill(self, on: bool = True) -> None:
         """Run multi-token products of the float linears in fp32 (layers.linear): for bf16 weights on a
@@ -57,8 +72,12 @@ class Decoder(nn.Module):
         if cos is not None and cos.shape[0] >= length and cos.device == device and cos.dtype == dtype:
             return
         size = -(-max(length, 1) // ROPE_CHUNK) * ROPE_CHUNK
-        cos, sin = rope_tables(self.config, size, device)  # computed in fp32, stored in the model dtype
+        cfg = self.config
+        cos, sin = rope_tables(cfg, size, device)  # computed in fp32, stored in the model dtype
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        if any(self.sliding):
+            cos, sin = rope_tables(cfg, size, device, cfg.rope_local_theta, RopeScaling())
+            self.local_cos, self.local_sin = cos.to(dtype), sin.to(dtype)
 
     def forward(
         self,
@@ -78,6 +97,7 @@ class Decoder(nn.Module):
         """
         b, s = input_ids.shape
         device = input_ids.device
+        cfg = self.config
         if attention_mask is None:
             attention_mask = torch.ones(b, s, dtype=torch.bool, device=device)
         attention_mask = attention_mask.to(torch.bool)
@@ -92,15 +112,31 @@ class Decoder(nn.Module):
             key_valid = attention_mask
         mask = attention_mask_4d(key_valid, slots)
         rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        masks, ropes = (mask, mask), (rope, rope)  # indexed by "is this layer sliding"
+        if any(self.sliding):
+            if cache is not None:  # the keys a sliding layer sees: their columns and validity
+                key_cols, window_valid = cache.sliding_keys(slots, attention_mask)
+            else:
+                key_cols, window_valid = slots, attention_mask
+            local = attention_mask_4d(window_valid, slots, key_cols, cfg.sliding_window)
+            masks = (mask, local)
+            ropes = (rope, (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)))
         x = self.model.embed_tokens(input_ids)
+        if cfg.family.embed_scale:
+            x = x * embed_scale(cfg.hidden_size, x.dtype)
         for i, layer in enumerate(self.model.layers):
+            r, m = ropes[self.sliding[i]], masks[self.sliding[i]]
             if layer_fn is None:
-                x = layer(x, rope, mask, cache, slots)
+                x = layer(x, r, m, cache, slots)
             else:  # one compiled layer body for every layer; each gets its own view of the cache
-                x = layer_fn(layer, x, rope[0], rope[1], mask, cache.views[i], slots)
+                x = layer_fn(layer, x, r[0], r[1], m, cache.views[i], slots)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def run_layer(layer: nn.Module, x, cos, sin, mask, cache_view, slots) -> torch.Tensor:
@@ -108,12 +144,28 @@ def run_layer(layer: nn.Module, x, cos, sin, mask, cache_view, slots) -> torch.T
     return layer(x, (cos, sin), mask, cache_view, slots)
 
 
-def attention_mask_4d(key_valid: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def attention_mask_4d(
+    key_valid: torch.Tensor,
+    slots: torch.Tensor,
+    key_slots: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Bool mask [b, 1, s, L]: a query at slot q sees valid keys at slots <= q, and always itself.
 
+    key_slots [L]: the slot (column) each key holds, when it is not its index (a sliding ring buffer).
+    window: a query sees only keys at slots > q - window (Gemma's sliding layers, as HF counts them).
     Letting padded queries see themselves keeps their rows finite (no all -inf softmax, no NaN).
     """
-    key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
+    if key_slots is None:
+        key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
     causal = key_slots[None, :] <= slots[:, None]  # [s, L]
+    if window is not None:
+        causal = causal & (key_slots[None, :] > slots[:, None] - window)
     own = key_slots[None, :] == slots[:, None]
     return ((key_valid[:, None, :] & causal[None]) | own[None]).unsqueeze(1)
+
+
+@functools.cache
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded to `dtype`, as HF Gemma scales embeddings (55.4256 -> 55.5 in bf16)."""
+    return float(torch.tensor(hidden_size**0.5).to(dtype))

@@ -1,4 +1,4 @@
-"""Decoder building blocks: RMSNorm, rotary tables, gated MLP, grouped-query attention."""
+"""Decoder building blocks: RMSNorm (and Gemma's), rotary tables, gated MLP, grouped-query attention."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.config import ModelConfig, RopeScaling
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), in fp32, then rounds to the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -48,10 +62,17 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def rope_tables(
-    cfg: ModelConfig, length: int, device: torch.device | str
+    cfg: ModelConfig,
+    length: int,
+    device: torch.device | str,
+    theta: float | None = None,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [length, head_dim] in fp32 for positions 0..length-1."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    """cos and sin tables [length, head_dim] in fp32 for positions 0..length-1 (theta and scaling: the
+    config's unless given, e.g. Gemma's local base for sliding layers)."""
+    theta = cfg.rope_theta if theta is None else theta
+    scaling = cfg.rope_scaling if scaling is None else scaling
+    inv_freq = rope_inv_freq(cfg.head_dim, theta, scaling).to(device)
     t = torch.arange(length, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -109,9 +130,18 @@ def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Gemma's GeGLU; HF's "gelu_pytorch_tanh")."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[cfg.family.activation]
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -124,20 +154,30 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             gate, up = linear(x, self.fused[0], None, self.widen).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention for grouped-query heads without expanding K/V.
 
     q [b, H, s, d]; k, v [b, KV, L, d]; mask [b, 1, s, L] bool (True = attend). Each KV head serves its
-    H/KV query heads as one matmul, so the cache is read once per group.
+    H/KV query heads as one matmul, so the cache is read once per group. scale: on the scores (default
+    d ** -0.5); softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma).
     """
     b, h, s, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, (h // kv) * s, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv, h // kv, s, -1).float()
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, (h // kv) * s, -1)
@@ -156,8 +196,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.family.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            norm = GemmaRMSNorm if cfg.family.gemma_norms else RMSNorm
+            self.q_norm = norm(hd, cfg.rms_norm_eps)
+            self.k_norm = norm(hd, cfg.rms_norm_eps)
+        # Gemma: query_pre_attn_scalar and score softcapping; None keeps SDPA's own 1/sqrt(head_dim).
+        self.scale = cfg.attn_scale if cfg.query_pre_attn_scalar is not None else None
+        self.softcap = cfg.attn_logit_softcapping
+        self.sliding = cfg.is_sliding(layer_idx)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.widen = False
 
@@ -186,10 +231,10 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots)
-        if s == 1 and self.grouped_decode:
-            out = grouped_attention(q, k, v, mask)  # decode: never expand K/V
+        if (s == 1 and self.grouped_decode) or self.softcap is not None:  # SDPA has no softcap
+            out = grouped_attention(q, k, v, mask, self.scale, self.softcap)  # decode: never expand K/V
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -152,8 +152,11 @@ def _packed_bytes(name: str, shape: tuple[int, ...], mode: str, group: int, dtyp
     return n * k // 2 + (k // group) * n * 2 * dtype.itemsize
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
+    """K/V bytes per token of a cache of `tokens` tokens (sliding-window layers hold at most their window,
+    so past it they add nothing), rounded up."""
+    per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return -(-per_slot * cfg.kv_slots(tokens) // tokens)
 
 
 def disk_sources(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tierlm.tokenizer.special import SpecialTokens
@@ -48,6 +48,8 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
     if builder is None:
         supported = ", ".join(sorted(_GGUF_BUILDERS))
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: {supported}")
+    if kind == "llama" and meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
+        builder = _gemma_backend
     backend = builder(meta)
     _add_gguf_added_tokens(backend, meta)
     special = SpecialTokens(
@@ -72,7 +74,9 @@ def _read_gguf_metadata(path: Path) -> dict[str, Any]:
     except (ValueError, IndexError, OSError) as err:
         raise ValueError(f"cannot read {path} as GGUF: {err}") from err
     return {
-        name: _field_value(field) for name, field in reader.fields.items() if name.startswith("tokenizer.")
+        name: _field_value(field)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.") or name == "general.architecture"
     }
 
 
@@ -127,6 +131,34 @@ def _sentencepiece_backend(meta: dict[str, Any]) -> BackendTokenizer:
     return backend
 
 
+def _gemma_backend(meta: dict[str, Any]) -> BackendTokenizer:
+    """Gemma's SentencePiece BPE as transformers reads it from a GGUF: every space becomes "▁" before the
+    model (no pre-tokenizer splits), no prefix space, `<0xNN>` byte fallback.
+
+    Two things differ from `_sentencepiece_backend`: the file stores tokens made only of spaces with real
+    spaces (respelled here as "▁" runs, the spelling the normalized text has), and its scores do not rank
+    merges; the order of the vocabulary does (earlier tokens merge first)."""
+    tokens = [_respelled(t) for t in meta["tokenizer.ggml.tokens"]]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=_merges_from_scores(tokens, [-float(i) for i in range(len(tokens))]),
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    backend = BackendTokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def _respelled(token: str) -> str:
+    return "▁" * len(token) if token and not token.strip() and " " in token else token
+
+
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, best merged score first (SentencePiece BPE order)."""
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -145,9 +177,11 @@ def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any]) -> N
     """Control and unknown tokens become special; user-defined ones are matched whole but not special."""
     tokens, token_types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", ())
     special = [t for t, kind in zip(tokens, token_types) if kind in (_UNKNOWN, _CONTROL)]
-    plain = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+    vocab = backend.get_vocab()  # a user-defined token the backend respelled (Gemma's spaces) is not added
+    plain = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
 
 
 _GGUF_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})

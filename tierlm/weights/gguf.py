@@ -42,8 +42,9 @@ class GGUFCheckpoint:
         self.metadata = read_metadata(self.reader)
         self.reader.fields.clear()  # ~160 MB of per-token Python objects; the tensors do not need them
         self.tensors = {}
+        arch = self.metadata.get("general.architecture")
         for t in self.reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, arch)
             if hf is not None:
                 self.tensors[hf] = t
         tied = "lm_head.weight" not in self.tensors
@@ -89,6 +90,8 @@ class GGUFCheckpoint:
 
     def _fix(self, name: str, data: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if cfg.family.gemma_norms and name.endswith("norm.weight"):
+            return data - 1.0  # llama.cpp stores Gemma's norm weights as (1 + w); HF's modules add the 1
         if not cfg.family.gguf_permuted_qk:
             return data
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):

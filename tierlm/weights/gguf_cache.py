@@ -44,6 +44,7 @@ def open_cached(gguf_path: Path, dtype: torch.dtype) -> SafetensorsCheckpoint | 
         raw = json.loads(meta.read_text())
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        raw["layer_types"] = tuple(raw.get("layer_types", ()))
         return SafetensorsCheckpoint.from_file(weights, ModelConfig(**raw))
     except (ValueError, TypeError, KeyError, OSError):
         return None  # a stale or damaged cache is rebuilt, never trusted

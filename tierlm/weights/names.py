@@ -26,14 +26,25 @@ GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 
+# Gemma 3's four norms per layer (llama.cpp names): "ffn_norm" is the pre-MLP norm there, not Llama's
+# post-attention one.
+GEMMA3_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": GEMMA3_LAYER_NAMES}
+
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, or None for tensors tierlm does not use (e.g. rope_freqs)."""
+def gguf_to_hf_name(name: str, architecture: str | None = None) -> str | None:
+    """The HF parameter name of a GGUF tensor (of a file whose general.architecture is `architecture`), or
+    None for tensors tierlm does not use (e.g. rope_freqs)."""
     if m := _LAYER.match(name):
-        module = GGUF_LAYER_NAMES.get(m.group(2))
+        module = LAYER_NAMES_BY_ARCHITECTURE.get(architecture or "", GGUF_LAYER_NAMES).get(m.group(2))
         return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     if m := _GLOBAL.match(name):
         module = GGUF_GLOBAL_NAMES.get(m.group(1))

@@ -1,0 +1,172 @@
+"""Gemma 3 (text) against transformers on tiny random checkpoints: logits, greedy tokens, the sliding cache.
+
+Two configs saved by transformers' save_pretrained: 6 layers with explicit `layer_types` mixing sliding and
+full layers, a window of 4, linear rope scaling on the full layers, query_pre_attn_scalar unlike head_dim,
+final-logit softcapping and an untied head; and 7 layers with the default every-sixth-layer rule, a
+window of 6 and a tied head. Prompts run shorter and longer than the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierlm
+from tierlm.cache import RingLayerView, StaticCache
+from tierlm.config import FULL, SLIDING
+from tierlm.placement.placer import kv_bytes_per_token
+
+GEMMA3 = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.3,  # decisive logits, so greedy tokens do not hinge on rounding
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+CONFIGS = {
+    "untied": dict(
+        num_hidden_layers=6,
+        sliding_window=4,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, SLIDING],
+        tie_word_embeddings=False,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "tied": dict(num_hidden_layers=7, sliding_window=6, tie_word_embeddings=True, query_pre_attn_scalar=16),
+}
+
+
+def write_gemma3(folder, name: str):
+    import transformers
+
+    config = transformers.Gemma3TextConfig(**{**GEMMA3, **CONFIGS[name]})
+    torch.manual_seed(len(name))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # Gemma's norms start at zero (a scale of 1); make them matter
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    return {name: write_gemma3(root / name, name) for name in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def hf_models(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, path in checkpoints.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {name: tierlm.load(path, dtype="float32") for name, path in checkpoints.items()}
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of `lengths`, left-padded with 0 into one batch, and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 320, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def test_config_reads_layer_kinds(models):
+    cfg = models["untied"].config
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.sliding_layers == (0, 1, 3, 5)
+    assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta) == (4, 100000.0, 10000.0)
+    assert cfg.rope_scaling.rope_type == "linear" and cfg.final_logit_softcapping == 30.0
+    tied = models["tied"].config
+    assert tied.sliding_layers == (0, 1, 2, 3, 4, 6) and tied.tie_word_embeddings  # every sixth is full
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("lengths", [[3], [3, 2], [13], [13, 5, 9]], ids=str)
+def test_logits_match_transformers(models, hf_models, name, lengths):
+    """Shorter and longer than the window, batched with left padding: every real position within 1e-4."""
+    ids, mask = _prompts(lengths)
+    with torch.no_grad():
+        ref = hf_models[name](ids, attention_mask=mask).logits
+    got = models[name](ids, mask)
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_greedy_tokens_match_transformers(models, hf_models, name, cache):
+    """Left-padded batch, prompts around the window, decoding to 3x the window past it."""
+    ids, mask = _prompts([5, 11, 2], seed=1)
+    window = models[name].config.sliding_window
+    new = 3 * window
+    with torch.no_grad():
+        out = hf_models[name].generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new
+        )
+    expected = out[:, ids.shape[1] :].tolist()
+    rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    got = models[name].generate(rows, max_new_tokens=new, do_sample=False, cache_implementation=cache)
+    assert got.token_ids == [e[: len(g)] for e, g in zip(expected, got.token_ids)]
+    assert all(len(g) == new or g[-1] == 2 for g in got.token_ids)
+
+
+def test_chunked_prefill_across_the_window(models):
+    """Chunks shorter than, equal to and longer than the window give the tokens of a single prefill."""
+    model = models["untied"]
+    rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([17, 9], seed=2))]
+    whole = model.generate(rows, max_new_tokens=8, do_sample=False).token_ids
+    for chunk in (1, 3, 4, 6):
+        assert model.generate(rows, max_new_tokens=8, do_sample=False, prefill_chunk=chunk).token_ids == whole
+
+
+def test_sliding_cache_holds_only_the_window(models):
+    """Sliding layers get a ring of `window` slots, full layers the whole length; shapes never change, and
+    decoding 3x the window past a longer prompt gives the tokens of the non-sliding (dynamic) cache."""
+    model = models["untied"]
+    cfg = model.config
+    cache = StaticCache(cfg, 2, 64, torch.float32, "cpu")
+    shapes = [tuple(k.shape) for k in cache.keys]
+    for i in range(cfg.num_layers):
+        length = cfg.sliding_window if cfg.is_sliding(i) else 64
+        assert shapes[i] == (2, cfg.num_kv_heads, length, cfg.head_dim)
+        assert isinstance(cache.views[i], RingLayerView) == cfg.is_sliding(i)
+    rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([10, 7], seed=3))]
+    new = 3 * cfg.sliding_window
+    static = model.generate(rows, max_new_tokens=new, do_sample=False, max_cache_len=64)
+    (used,) = [c for c in model._static_caches.values() if c.batch == 2 and c.max_len == 64]
+    assert [tuple(k.shape) for k in used.keys] == shapes  # the generation never grew them
+    assert [tuple(v.shape) for v in used.values] == shapes
+    dynamic = model.generate(rows, max_new_tokens=new, do_sample=False, cache_implementation="dynamic")
+    assert static.token_ids == dynamic.token_ids
+
+
+def test_kv_bytes_reflect_the_window(models):
+    """Per token over a long cache, sliding layers cost their window only; over a short one, everything."""
+    cfg = models["untied"].config
+    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert cfg.kv_slots(4096) == 2 * 4096 + 4 * 4  # 2 full layers, 4 sliding ones of window 4
+    assert kv_bytes_per_token(cfg, torch.float32, 4096) * 4096 == per_layer * cfg.kv_slots(4096)
+    assert kv_bytes_per_token(cfg, torch.float32, 2) == per_layer * cfg.num_layers
