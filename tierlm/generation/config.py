@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierlm.compile import CompileConfig
+from tierlm.generation.response_format import ResponseFormat, parse_response_format
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
@@ -111,6 +112,8 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
+    # structured output, as OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    response_format: ResponseFormat | dict | None = None
     cache_implementation: str = "static"
     max_cache_len: int | None = None
     prefill_chunk: int | None = 256  # prompt tokens per prefill forward; None or 0: the whole prompt at once
@@ -121,6 +124,7 @@ class GenerationConfig:
         self._validate_lengths()
         self._validate_sampling()
         self._validate_stopping()
+        self._set("response_format", parse_response_format(self.response_format))
         self._validate_cache_and_compile()
 
     def _set(self, name: str, value: Any) -> None:

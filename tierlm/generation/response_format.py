@@ -1,0 +1,122 @@
+"""OpenAI's `response_format`, validated and compiled to an llguidance grammar (no torch here).
+
+{"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}} becomes a
+`ResponseFormat` when the GenerationConfig is built; a schema feature llguidance cannot enforce is a
+ValueError naming it. `tierlm.generation.grammar` enforces it while decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+_SCHEMA_FIELDS = ("name", "description", "schema", "strict")
+# Compact JSON with OpenAI's separators; pinned (overrides) so a schema's "x-guidance" cannot allow
+# unbounded whitespace.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def llguidance_module():
+    try:
+        import llguidance
+    except ImportError as err:  # a declared dependency; only a broken install lacks it
+        raise ImportError("structured output needs llguidance: pip install llguidance") from err
+    return llguidance
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A validated response_format: "json_object" or "json_schema" with its schema, and its compiled grammar."""
+
+    type: str
+    schema: str | None = None  # the schema as canonical JSON text (json_schema only)
+    name: str | None = None
+    grammar: str = ""  # llguidance's grammar, compiled from the schema
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI form this was parsed from."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        inner: dict[str, Any] = {"schema": json.loads(self.schema or "{}")}
+        if self.name is not None:
+            inner["name"] = self.name
+        return {"type": "json_schema", "json_schema": inner}
+
+
+def parse_response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's response_format dict (or a ResponseFormat) -> ResponseFormat; None for {"type": "text"}.
+
+    Raises ValueError naming the bad field, or the schema feature that cannot be enforced.
+    """
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    example = "{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': {...}}}"
+    if not isinstance(value, dict):
+        raise ValueError(f"response_format must be a dict such as {example}, got {_short(value)}")
+    kind = value.get("type")
+    if kind not in FORMAT_TYPES:
+        choices = ", ".join(map(repr, FORMAT_TYPES))
+        raise ValueError(f"response_format.type must be one of {choices}, got {_short(kind)}")
+    allowed = ("type", "json_schema") if kind == "json_schema" else ("type",)
+    _refuse_unknown(value, allowed, "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object", grammar=_compile({"type": "object"}))
+    return _parse_json_schema(value.get("json_schema"))
+
+
+def _parse_json_schema(spec: Any) -> ResponseFormat:
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where} must be a dict with a 'schema' (a JSON Schema object), got {_short(spec)}")
+    _refuse_unknown(spec, _SCHEMA_FIELDS, where)
+    name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}.name must be a string, got {_short(name)}")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"{where}.strict must be true or false, got {_short(strict)}")
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}.schema must be a JSON Schema object, got {_short(schema)}")
+    try:
+        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}.schema is not JSON: {err}") from None
+    return ResponseFormat("json_schema", text, name, _compile(schema, f"{where}.schema"))
+
+
+def _compile(schema: dict, where: str = "response_format") -> str:
+    """The llguidance grammar of a JSON schema; ValueError naming what llguidance cannot enforce."""
+    matcher = llguidance_module().LLMatcher
+    try:
+        grammar = matcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+    except ValueError as err:
+        raise ValueError(f"{where} is not a valid JSON Schema: {err}") from None
+    error = matcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"{where} {_explain(error)}")
+    return grammar
+
+
+def _explain(error: str) -> str:
+    keys = re.match(r"Unimplemented keys: \[(.*)\]$", error.strip())
+    if keys:
+        names = ", ".join(k.strip().strip('"') for k in keys.group(1).split(","))
+        return f"uses JSON Schema keywords that structured output does not support: {names}"
+    return f"cannot be enforced: {error.strip()}"
+
+
+def _refuse_unknown(value: dict, allowed: tuple[str, ...], where: str) -> None:
+    unknown = [k for k in value if k not in allowed]
+    if unknown:
+        raise ValueError(
+            f"{where} has an unknown field {unknown[0]!r}; its fields are {', '.join(map(repr, allowed))}"
+        )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
