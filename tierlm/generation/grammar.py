@@ -48,27 +48,36 @@ class GrammarMask:
     """One llguidance matcher per row of a batch (None: unconstrained); masks logits, follows sampled tokens.
 
     Rows are a batch's slots: `set_row` gives a slot to a new sequence, and `apply` / `advance` take the
-    rows the logits and tokens belong to (all rows, or a subset in that order).
+    rows the logits and tokens belong to (all rows, or a subset in that order). Nothing is built until a
+    row gets a format, so a batch may carry one whether or not any request asks for structured output.
     """
 
     def __init__(self, tokenizer, rows: int, vocab: int, eos_ids) -> None:
-        if tokenizer is None:
-            raise ValueError("structured output needs a tokenizer; this model has none")
-        self.vocab, self.tokenizer = vocab, grammar_tokenizer(tokenizer, vocab, tuple(eos_ids))
-        self.bitmask = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)  # -1: all allowed
-        # byte value -> its 8 bits, lowest first: the bitmask read as bytes gives token order (little endian)
-        self.bits = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+        self.source, self.vocab, self.eos_ids = tokenizer, vocab, tuple(eos_ids)
+        self.rows = rows
         self.matchers: list = [None] * rows
-        self.executor = llguidance_module().LLExecutor(2)
+        self.tokenizer = self.executor = self.bitmask = None  # built with the first format
 
     def set_row(self, row: int, fmt: ResponseFormat | None) -> None:
         """Give `row` a fresh matcher for `fmt` (None: unconstrained), e.g. when a new sequence takes it."""
         self.matchers[row] = None
-        if fmt is not None:
-            matcher = llguidance_module().LLMatcher(self.tokenizer, fmt.grammar, log_level=0)
-            if matcher.is_error():
-                raise ValueError(f"response_format cannot be enforced: {matcher.get_error()}")
-            self.matchers[row] = matcher
+        if fmt is None:
+            return
+        if self.tokenizer is None:
+            self._build()
+        matcher = llguidance_module().LLMatcher(self.tokenizer, fmt.grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"response_format cannot be enforced: {matcher.get_error()}")
+        self.matchers[row] = matcher
+
+    def _build(self) -> None:
+        if self.source is None:
+            raise ValueError("structured output needs a tokenizer; this model has none")
+        self.tokenizer = grammar_tokenizer(self.source, self.vocab, self.eos_ids)
+        self.executor = llguidance_module().LLExecutor(2)
+        self.bitmask = torch.full((self.rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)
+        # byte value -> its 8 bits, lowest first: the bitmask read as bytes gives token order (little endian)
+        self.bits = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """logits [len(rows), vocab] with the tokens each row's grammar forbids set to -inf (float32)."""
