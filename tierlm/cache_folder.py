@@ -1,7 +1,8 @@
 """What tierlm keeps in its cache folder (gguf_cache.cache_root()): the entries, their sizes, removing them.
 
 The folder holds gguf/<key>/ (dequantized GGUF weights per dtype and the tokenizer), offload/<key>/ (disk
-offloaded weights converted to the compute dtype or packed int8/int4), inductor/ (compiled kernels), and
+offloaded weights converted to the compute dtype or packed int8/int4), aot/<key>/ (compiled decode steps
+built ahead of time, tierlm.aot), inductor/ (compiled kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
 writer's are never removed, a dead writer's are leftovers.
 """
@@ -22,7 +23,7 @@ class CacheEntry:
     """One removable thing in the cache folder."""
 
     path: Path
-    kind: str  # "gguf", "offload", "inductor", "temporary" or "other"
+    kind: str  # "gguf", "offload", "aot", "inductor", "temporary" or "other"
     nbytes: int
     about: str  # what it holds, in words
     live_writer: int | None = None  # pid of the process still writing it (temporaries only)
@@ -37,7 +38,7 @@ def cache_entries(root: Path) -> list[CacheEntry]:
     """Every entry under `root`, in path order; [] when the folder does not exist."""
     entries: list[CacheEntry] = []
     for path in _children(root):
-        if path.name in ("gguf", "offload") and path.is_dir() and not path.is_symlink():
+        if path.name in ("gguf", "offload", "aot") and path.is_dir() and not path.is_symlink():
             for child in _children(path):
                 entries.extend(_entries_of(child, path.name))
         elif path.name == "inductor" and path.is_dir():
@@ -60,6 +61,8 @@ def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
         return [CacheEntry(path, kind, size, _describe_gguf(path)), *inside]
     if kind == "offload" and path.is_dir():
         return [CacheEntry(path, kind, tree_size(path), _describe_offload(path))]
+    if kind == "aot" and path.is_dir():
+        return [CacheEntry(path, kind, tree_size(path), _describe_aot(path))]
     return [CacheEntry(path, kind, tree_size(path), "not written by this tierlm version")]
 
 
@@ -100,6 +103,18 @@ def _describe_offload(folder: Path) -> str:
     return f"{dtype} weights of {len(manifest.get('tensors', []))} tensors{source}"
 
 
+def _describe_aot(folder: Path) -> str:
+    """ "compiled step of SmolLM2.gguf: batch 1, cache 512, bfloat16, int8; built 2026-11-30 15:40 UTC"."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        key = manifest["key"]
+        quant = "" if key["quantization"] == "none" else f", {key['quantization']}"
+        shape = f"batch {key['batch']}, cache {key['cache_len']}, {key['dtype']}{quant}"
+        return f"compiled step of {Path(manifest['source']).name}: {shape}; built {manifest['built']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "incomplete or unreadable (no manifest): rebuilt on next use"
+
+
 def clear_cache(
     root: Path, stale_only: bool = False, progress=None
 ) -> tuple[list[CacheEntry], list[CacheEntry]]:
@@ -114,7 +129,7 @@ def clear_cache(
             progress(entry)
         _remove_entry(entry)
         removed.append(entry)
-    for folder in (root / "gguf", root / "offload"):
+    for folder in (root / "gguf", root / "offload", root / "aot"):
         _remove_if_empty(folder)
     return removed, kept
 

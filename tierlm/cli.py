@@ -1,4 +1,4 @@
-"""`tierlm generate | chat | plan | bench | serve | cache`: argument parsing and printing only."""
+"""`tierlm generate | chat | plan | bench | serve | compile | cache`: argument parsing and printing only."""
 
 from __future__ import annotations
 
@@ -48,15 +48,35 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         help="compile the decode step with this scope: model (fastest, ~2 min cold) or layer (~15 s)",
     )
     p.add_argument("--no-compile", action="store_true", help="never compile (disable_compile=True)")
+    add_compile_mode_arg(p)
+
+
+def add_compile_mode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="inductor mode (default: max-autotune-no-cudagraphs for the whole step on a CPU, the fastest; "
+        "'default' builds several times faster and runs slower)",
+    )
+
+
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def compile_config(args):
     """CompileConfig from --compile / --compile-scope, or None (do not compile)."""
     from tierlm.compile import CompileConfig
 
+    mode = getattr(args, "compile_mode", None)
     if args.compile_scope:
-        return CompileConfig(scope=args.compile_scope)
-    return CompileConfig() if args.compile else None
+        return CompileConfig(scope=args.compile_scope, mode=mode)
+    return CompileConfig(mode=mode) if args.compile or mode else None
+
+
+def use_packages(model, config) -> None:
+    """Whole-model CPU steps come from the package store (`tierlm compile`), built there when missing."""
+    if config is not None and config.compile_config is not None and not config.disable_compile:
+        model.use_compiled_packages()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance)")
     serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: 1)")
     serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (default: 0)")
+
+    comp = sub.add_parser(
+        "compile", help="build the compiled decode steps ahead of time (AOTInductor packages)"
+    )
+    add_model_args(comp)
+    comp.add_argument(
+        "--batch-sizes", default="1", help="comma-separated batch sizes to build, e.g. 1,2,4,8 (default: 1)"
+    )
+    comp.add_argument(
+        "--cache-len",
+        type=int,
+        default=512,
+        help="static cache length; generate rounds prompt + max new tokens up to 256, 512, 1024, ... "
+        "(default: 512, what a prompt under 256 tokens with --max-new-tokens 256 uses)",
+    )
+    add_compile_mode_arg(comp)
 
     cache = sub.add_parser("cache", help="list or clear tierlm's cache folder ($TIERLM_CACHE_DIR)")
     cache.add_argument(
@@ -209,6 +245,7 @@ def cmd_generate(args) -> int:
         raise ValueError("empty prompt: give one as an argument or on stdin")
     config = generation_config(args)
     model = load_model(args)
+    use_packages(model, config)
     if args.chat or args.system:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
@@ -220,6 +257,8 @@ def cmd_generate(args) -> int:
 
         status(f"tierlm: cpu: {cpu.detect().describe()}")
         status(f"tierlm: {gen.decision.explain()}")
+        if hasattr(gen.step, "explain"):  # a step loaded from a package says which one
+            status(f"tierlm: {gen.step.explain()}")
     for _row, delta, _finished, _reason in gen.stream():
         if not args.json:
             sys.stdout.write(delta)
@@ -257,6 +296,7 @@ def result_json(result) -> dict:
 def cmd_chat(args) -> int:
     config = generation_config(args)
     model = load_model(args)
+    use_packages(model, config)
     history = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -309,6 +349,8 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address:
         return serve_replicas(args)
     model = load_model(args)
+    if (cc := compile_config(args)) is not None and getattr(args, "batching", "static") == "static":
+        prepare_served_packages(model, cc, args.max_batch_size)
     run_server(
         model,
         args.host,
@@ -318,6 +360,24 @@ def cmd_serve(args) -> int:
         generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
     )
     return 0
+
+
+SERVED_MAX_TOKENS = 1024  # what a chat request that names no max_tokens gets (build_app's default)
+
+
+def prepare_served_packages(model, cc, max_batch_size: int) -> None:
+    """serve --compile: find or build the whole-step package of each batch the server compiles (1, 2, 4, ...
+    up to max_batch_size; it rounds batches up to a power of two) at the cache length of a chat request
+    with the default max tokens, before the server reports healthy. Other lengths build on first use."""
+    from tierlm.cache import bucket_length
+
+    model.use_compiled_packages()
+    if not model.packages.applies(cc):
+        return
+    batches = [1 << i for i in range((max_batch_size - 1).bit_length() + 1)]
+    length = bucket_length(SERVED_MAX_TOKENS + 1, model.config.max_position_embeddings)
+    status(f"tierlm: compiled steps for batches {', '.join(map(str, batches))} at cache length {length}:")
+    model.packages.prepare(batches, length, cc, report=lambda line: status(f"tierlm: {line}"))
 
 
 def serve_replicas(args) -> int:
@@ -348,6 +408,40 @@ def serve_replicas(args) -> int:
     status(f"tierlm: starting {replicas} replica(s) on {args.ray_address or 'a local Ray instance'} ...")
     ray_app.serve_replicas(replicas, spec, ray_address=args.ray_address, host=args.host, port=args.port)
     return 0
+
+
+def cmd_compile(args) -> int:
+    from tierlm.compile import CompileConfig
+
+    batches = _batch_sizes(args.batch_sizes)
+    if args.cache_len < 1:
+        raise ValueError(f"--cache-len must be >= 1, got {args.cache_len}")
+    model = load_model(args)
+    cc = CompileConfig(mode=args.compile_mode)
+    model.use_compiled_packages()
+    if not model.packages.applies(cc):
+        raise ValueError(
+            f"tierlm compile builds the whole step of a model resident on the CPU; this one runs on "
+            f"{model.device}{' with offloaded weights' if model.streamer is not None else ''}"
+        )
+    if args.cache_len > model.config.max_position_embeddings:
+        raise ValueError(
+            f"--cache-len {args.cache_len} exceeds the model's context of {model.config.max_position_embeddings}"
+        )
+    model.packages.prepare(batches, args.cache_len, cc, report=print)
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes must be comma-separated integers such as 1,2,4,8, got {text!r}"
+        ) from None
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"--batch-sizes must all be >= 1, got {text!r}")
+    return list(dict.fromkeys(sizes))
 
 
 def cmd_cache(args) -> int:
@@ -395,6 +489,7 @@ COMMANDS = {
     "plan": cmd_plan,
     "bench": cmd_bench,
     "serve": cmd_serve,
+    "compile": cmd_compile,
     "cache": cmd_cache,
 }
 

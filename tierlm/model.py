@@ -63,6 +63,7 @@ class Model:
         self.device_map: dict[str, str] = placement.module_map if placement else {"": "cpu"}
         self._static_caches: dict[tuple, StaticCache] = {}
         self._compiled: dict[tuple, object] = {}
+        self.packages = None  # tierlm.aot.Packages: whole steps built ahead of time (use_compiled_packages)
 
     @property
     def config(self) -> ModelConfig:
@@ -146,11 +147,20 @@ class Model:
 
         return step
 
+    def use_compiled_packages(self, root: Path | None = None) -> None:
+        """Build whole-model CPU steps ahead of time into a package store (default <cache>/aot) and load
+        them from there in every later process, instead of compiling them in each one (tierlm.aot)."""
+        from tierlm import aot
+
+        self.packages = aot.Packages(self, root)
+
     def compiled_step(self, cache: StaticCache, compile_config: CompileConfig | None):
         """The compiled decode step for this cache shape, built once and reused by later calls."""
         cc = compile_config or CompileConfig()
         key = (cc, cache.batch, cache.max_len, self.dtype)
         compiled = self._compiled.get(key)
+        if compiled is None and self.packages is not None and self.packages.applies(cc, cache):
+            self._compiled[key] = compiled = self.packages.step(cache, cc)  # loaded, or built once
         if compiled is None:
             # A persistent per-user inductor cache, so a second process starts warm.
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))

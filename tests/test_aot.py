@@ -1,0 +1,296 @@
+"""Compiled steps built ahead of time (tierlm.aot): built once by one process, loaded by the next.
+
+Builds use CompileConfig(mode="default"), which builds in tens of seconds on the tiny fixture instead of
+minutes; the default (max-autotune C++ GEMMs) goes through the same export, store and load. Every build
+here costs ~30 s of CPU, so the tests share them: one fp32 package, built by two processes at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from agreement import assert_greedy_agrees, greedy
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import tierlm
+from tierlm import CompileConfig, aot, cpu
+from tierlm.cache import StaticCache
+from tierlm.cache_folder import cache_entries
+from tierlm.generation.config import GenerationConfig
+
+CC = CompileConfig(mode="default")
+MODE_ARGS = ["--compile-mode", "default", "--batch-sizes", "1", "--cache-len", "256"]
+PROMPT = "w5 w17 w99 w230 w41 w7 w8"
+N = 20
+IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
+
+# Run in a subprocess in place of `python -m tierlm.cli`: records every export, AOT compile, inductor
+# compile and dynamo frame, and prints them after the command, so a test sees what that process compiled.
+SPY = """
+import json, sys
+import torch, torch.export, torch._inductor, torch._inductor.compile_fx as cf
+from torch._dynamo.utils import counters
+calls = []
+def spy(name, real):
+    def f(*a, **k):
+        calls.append(name)
+        return real(*a, **k)
+    return f
+torch.export.export = spy("export", torch.export.export)
+torch._inductor.aoti_compile_and_package = spy("aoti_compile_and_package", torch._inductor.aoti_compile_and_package)
+cf.compile_fx = spy("compile_fx", cf.compile_fx)
+from tierlm import cli
+rc = cli.main(sys.argv[1:])
+seen = {"calls": calls, "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}
+print("COMPILES " + json.dumps(seen), file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def write_word_tokenizer(folder: Path, size: int) -> None:
+    """Words w0 .. w<size-1>, one id each: enough for text prompts to a tiny random model."""
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("aot") / "llama"
+    shutil.copytree(tiny_checkpoints["llama"], folder)
+    write_word_tokenizer(folder, json.loads((folder / "config.json").read_text())["vocab_size"])
+    return folder
+
+
+def cli_env(store: Path) -> dict:
+    """A store of its own; inductor's cache (precompiled headers, kernels) shared with the session."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+        Path(os.environ["TIERLM_CACHE_DIR"]) / "inductor"
+    )
+    return {
+        **os.environ,
+        "TIERLM_CACHE_DIR": str(store),
+        "TORCHINDUCTOR_CACHE_DIR": inductor,
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
+def tierlm_cli(*args, env: dict, spy: bool = False) -> subprocess.Popen:
+    head = [sys.executable, "-c", SPY] if spy else [sys.executable, "-m", "tierlm.cli"]
+    return subprocess.Popen(
+        [*head, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: int = 900) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def built(tiny, tmp_path_factory):
+    """Two `tierlm compile` processes started at once on one empty store: (store, [(stdout, stderr)])."""
+    store = tmp_path_factory.mktemp("store")
+    args = ("compile", "--model", str(tiny), "--dtype", "float32", *MODE_ARGS)
+    procs = [tierlm_cli(*args, env=cli_env(store)) for _ in range(2)]
+    return store, [finish(p) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tierlm.load(tiny, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def jit_tokens(tiny) -> list[int]:
+    """The JIT-compiled step's greedy tokens (torch.compile, same CompileConfig), in this process."""
+    result = tierlm.load(tiny, dtype="float32").generate(
+        PROMPT, max_new_tokens=N, min_new_tokens=N, do_sample=False, compile_config=CC
+    )
+    assert result.stats.compile.compile
+    return result.token_ids[0]
+
+
+def test_two_processes_building_one_key_leave_one_valid_package(built, model):
+    store, outputs = built
+    stderr = "".join(err for _out, err in outputs)
+    assert stderr.count("compiled step: built package") == 1  # one built it, the other waited and loaded it
+    assert stderr.count("compiled step: loaded package") == 1
+    name = aot.digest(aot.package_key(model, 1, 256, CC))
+    assert [p.name for p in (store / "aot").iterdir()] == [name]  # no temporary left beside it
+    assert sorted(p.name for p in (store / "aot" / name).iterdir()) == ["manifest.json", "step.pt2"]
+    package = aot.find(aot.package_key(model, 1, 256, CC), store / "aot")
+    assert package is not None and aot.load(package) is not None
+    for out, _err in outputs:  # each printed where the package is and its size
+        assert str(package.path) in out and "MB" in out
+    (entry,) = cache_entries(store)  # `tierlm cache list` shows it
+    assert entry.kind == "aot" and entry.about.startswith(
+        "compiled step of llama: batch 1, cache 256, float32"
+    )
+
+
+def test_package_loaded_in_a_new_process_matches_jit_without_compiling(built, tiny, jit_tokens):
+    store, _ = built
+    args = ["generate", "--model", str(tiny), "--dtype", "float32", "--compile", "--compile-mode", "default"]
+    args += ["--max-new-tokens", str(N), "--min-new-tokens", str(N), "--json", "--explain", PROMPT]
+    out, err = finish(tierlm_cli(*args, env=cli_env(store), spy=True))
+    seen = json.loads(err.split("COMPILES ", 1)[1])
+    assert seen == {"calls": [], "frames": 0, "graphs": 0}, err  # nothing exported, traced or compiled
+    assert "tierlm: compiled step: loaded package" in err and ", built 20" in err  # --explain says which
+    result = json.loads(out)
+    assert result["stats"]["compiled"] is True
+    assert result["token_ids"] == jit_tokens  # fp32: exactly the JIT-compiled step's tokens
+
+
+def copy_store(store: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "aot"
+    shutil.copytree(store / "aot", root)
+    return root
+
+
+def test_truncated_package_is_rebuilt_not_loaded(built, tiny, jit_tokens, tmp_path):
+    root = copy_store(built[0], tmp_path)
+    (package,) = root.iterdir()
+    data = (package / "step.pt2").read_bytes()
+    (package / "step.pt2").write_bytes(data[: len(data) // 2])
+    model = tierlm.load(tiny, dtype="float32")
+    model.use_compiled_packages(root)
+    config = GenerationConfig(max_new_tokens=N, min_new_tokens=N, do_sample=False, compile_config=CC)
+    with pytest.warns(aot.PackageRejectedWarning, match=r"is truncated \(\d+ of \d+ bytes\): rebuilding it"):
+        gen = model.start([PROMPT], config)
+    assert gen.step.how.startswith("built package")
+    list(gen.stream())
+    assert gen.result().token_ids[0] == jit_tokens
+    assert (package / "step.pt2").stat().st_size == json.loads((package / "manifest.json").read_text())[
+        "bytes"
+    ]
+    assert [p.name for p in root.iterdir()] == [package.name]
+
+
+def test_package_recording_another_cpu_is_rebuilt_not_loaded(built, model, tmp_path, monkeypatch):
+    root = copy_store(built[0], tmp_path)
+    (package,) = root.iterdir()
+    manifest = json.loads((package / "manifest.json").read_text())
+    other = "AVX2" if manifest["cpu"]["capability"] != "AVX2" else "AVX512"
+    manifest["cpu"] = {**manifest["cpu"], "capability": other}  # as if copied from another machine
+    (package / "manifest.json").write_text(json.dumps(manifest))
+    loaded, builds = [], []
+
+    class Stop(Exception):
+        pass
+
+    def build(_model, _cache, _cc, key, _root):
+        builds.append(aot.digest(key))
+        raise Stop  # the rebuild itself is what test_truncated_package_is_rebuilt_not_loaded runs
+
+    monkeypatch.setattr(aot, "load", lambda p: loaded.append(p) or pytest.fail("loaded a foreign package"))
+    monkeypatch.setattr(aot, "build", build)
+    cache = StaticCache(model.config, 1, 256, model.dtype, model.device)
+    with (
+        pytest.warns(aot.PackageRejectedWarning, match=f"built for another CPU \\({other}"),
+        pytest.raises(Stop),
+    ):
+        aot.Packages(model, root).step(cache, CC)
+    assert loaded == [] and builds == [package.name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "quantize"), [("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
+)
+def test_reduced_precision_package_agrees_with_jit(tiny, tmp_path, dtype, quantize):
+    store = tmp_path / "store"
+    args = ["compile", "--model", str(tiny), "--dtype", dtype, *MODE_ARGS]
+    finish(tierlm_cli(*args, *(["--quantize", quantize] if quantize else []), env=cli_env(store)))
+    packaged = tierlm.load(tiny, dtype=dtype, quantize=quantize)
+    packaged.use_compiled_packages(store / "aot")
+    got = greedy(packaged, IDS, max_new_tokens=N, min_new_tokens=N, compile_config=CC)
+    (step,) = packaged._compiled.values()
+    assert step.how.startswith("loaded package")  # built by the other process, loaded here
+    jit = greedy(
+        tierlm.load(tiny, dtype=dtype, quantize=quantize),
+        IDS,
+        max_new_tokens=N,
+        min_new_tokens=N,
+        compile_config=CC,
+    )
+    assert_greedy_agrees(jit, got, quantize or dtype)
+
+
+# --- the key: one test per input -------------------------------------------------------------------------
+
+
+def another_cpu():
+    """A stand-in for cpu.detect: this CPU with another instruction set."""
+    f = cpu.detect()
+    capability = "AVX2" if f.capability != "AVX2" else "AVX512"
+    other = cpu.CpuFeatures(f.name, capability, f.native_bf16, f.amx, f.vnni)
+    return lambda: other
+
+
+KEY_CHANGES = {
+    "batch": lambda m, mp: aot.package_key(m, 2, 256, CC),
+    "cache_len": lambda m, mp: aot.package_key(m, 1, 512, CC),
+    "compile_mode": lambda m, mp: aot.package_key(m, 1, 256, CompileConfig()),
+    "compile_freezing": lambda m, mp: aot.package_key(
+        m, 1, 256, CompileConfig(mode="default", freezing=False)
+    ),
+    "compile_options": lambda m, mp: aot.package_key(
+        m, 1, 256, CompileConfig(mode="default", options={"cpp.simdlen": 256})
+    ),
+    "torch_version": lambda m, mp: (
+        mp.setattr(torch, "__version__", "9.9.9"),
+        aot.package_key(m, 1, 256, CC),
+    )[1],
+    "cpu_capability": lambda m, mp: (
+        mp.setattr(cpu, "detect", another_cpu()),
+        aot.package_key(m, 1, 256, CC),
+    )[1],
+    "cpu_vector_isa": lambda m, mp: (
+        mp.setattr("torch._inductor.cpu_vec_isa.pick_vec_isa", lambda: "amx_or_other"),
+        aot.package_key(m, 1, 256, CC),
+    )[1],
+    "tierlm_code": lambda m, mp: (
+        mp.setattr(aot, "code_digest", lambda: "edited"),
+        aot.package_key(m, 1, 256, CC),
+    )[1],
+}
+
+
+@pytest.mark.parametrize("change", sorted(KEY_CHANGES))
+def test_key_changes_with(change, model, monkeypatch):
+    base = aot.package_key(model, 1, 256, CC)
+    assert aot.digest(KEY_CHANGES[change](model, monkeypatch)) != aot.digest(base)
+
+
+def test_key_changes_with_the_checkpoint(tiny, model, tmp_path):
+    base = aot.digest(aot.package_key(model, 1, 256, CC))
+    copy = shutil.copytree(tiny, tmp_path / "copy")  # another path
+    assert aot.digest(aot.package_key(tierlm.load(copy, dtype="float32"), 1, 256, CC)) != base
+    weights = copy / "model.safetensors"
+    before = aot.digest(aot.package_key(tierlm.load(copy, dtype="float32"), 1, 256, CC))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rewritten
+    assert aot.digest(aot.package_key(tierlm.load(copy, dtype="float32"), 1, 256, CC)) != before
+
+
+def test_key_changes_with_dtype_and_quantization(tiny, model):
+    keys = {
+        "float32": aot.package_key(model, 1, 256, CC),
+        "bfloat16": aot.package_key(tierlm.load(tiny, dtype="bfloat16"), 1, 256, CC),
+        "int8": aot.package_key(tierlm.load(tiny, dtype="bfloat16", quantize="int8"), 1, 256, CC),
+        "int4-g64": aot.package_key(tierlm.load(tiny, dtype="bfloat16", quantize="int4"), 1, 256, CC),
+        "int4-g32": aot.package_key(
+            tierlm.load(tiny, dtype="bfloat16", quantize="int4", group_size=32), 1, 256, CC
+        ),
+    }
+    assert len({aot.digest(k) for k in keys.values()}) == len(keys)
+    assert keys["int4-g32"]["quantization"] == "int4-g32" and keys["int8"]["quantization"] == "int8"
+    assert keys["bfloat16"]["dtype"] == "bfloat16"

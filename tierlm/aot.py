@@ -1,0 +1,419 @@
+"""Compiled decode steps built ahead of time (AOTInductor packages), once, and loaded by every later process.
+
+The whole decode step (scope "model") is exported with torch.export, the static cache's tensors being
+inputs it mutates in place, and compiled by AOTInductor with CompileConfig's inductor options (freezing,
+max-autotune C++ GEMMs, the int8/int4 aten kernels) into a `.pt2` package. Packages live in
+<cache root>/aot/<key>/, keyed by everything that changes the code (`package_key`): the checkpoint's files,
+dtype, quantization and group size, batch, cache length, CompileConfig, torch, the CPU's instruction set
+and tierlm's own model code. A package is written into a temporary folder and renamed into place, built
+under a lock so that processes asking for one key at once build it once; one that is truncated, or whose
+recorded CPU features are not this CPU's, is rebuilt with a warning, never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from tierlm import cpu
+from tierlm.cache import StaticCache
+from tierlm.compile import CompileConfig
+from tierlm.weights.files import commit_folder, file_identity, identity_key
+from tierlm.weights.gguf_cache import cache_root
+from tierlm.weights.temporaries import remove_stale_temporaries, temporary
+
+log = logging.getLogger("tierlm")
+FORMAT = 1  # bump when what a package holds or how it is called changes
+PACKAGE = "step.pt2"
+# tierlm's sources that shape the exported graph: a package built from other code is another package.
+CODE = ("models", "quant.py", "cache.py", "aot.py")
+
+
+class PackageRejectedWarning(UserWarning):
+    """A stored package was not loaded (truncated, unreadable, or built for another CPU); it is rebuilt."""
+
+
+def applies(cc: CompileConfig, device: torch.device) -> bool:
+    """Whether the step for `cc` is built ahead of time: the whole step, by inductor, on the CPU (layer
+    scope and CUDA graphs stay with torch.compile)."""
+    return cc.scope == "model" and cc.backend == "inductor" and device.type == "cpu"
+
+
+def store_root() -> Path:
+    return cache_root() / "aot"
+
+
+def cpu_features() -> dict:
+    """The instruction set a package's kernels are compiled for: torch's dispatch level, the extensions
+    tierlm reads, and the vector ISA inductor picks for its C++ kernels."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    f = cpu.detect()
+    return {
+        "capability": f.capability,
+        "native_bf16": f.native_bf16,
+        "amx": f.amx,
+        "vnni": f.vnni,
+        "vec_isa": str(pick_vec_isa()),
+    }
+
+
+def checkpoint_identity(path: Path) -> list[str]:
+    """The files' identities (path, size, mtime), as the GGUF cache and offload folders key them."""
+    path = Path(path)
+    if path.is_file():
+        return [file_identity(path)]
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf"))
+    return [file_identity(p) for p in files]
+
+
+def quantization(decoder: torch.nn.Module) -> str:
+    """'none', 'int8' or 'int4-g<group>', read from the decoder's modules (int4 keeps an int8 LM head)."""
+    from tierlm.quant import Int4Linear, Int8Linear
+
+    groups = {m.group_size for m in decoder.modules() if isinstance(m, Int4Linear)}
+    if groups:
+        return "int4-g" + "-".join(str(g) for g in sorted(groups))
+    return "int8" if any(isinstance(m, Int8Linear) for m in decoder.modules()) else "none"
+
+
+def code_digest() -> str:
+    here = Path(__file__).resolve().parent
+    files = sorted(
+        p for name in CODE for p in ([here / name] if name.endswith(".py") else (here / name).glob("*.py"))
+    )
+    digest = hashlib.sha256()
+    for p in files:
+        digest.update(p.name.encode() + b"\0" + p.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def inductor_options(cc: CompileConfig, device: str) -> dict:
+    """The inductor settings the package is compiled with: CompileConfig's (mode, freezing, options).
+    cpp_wrapper is dropped: an AOTInductor package is always a C++ wrapper."""
+    options = dict(cc.compile_kwargs(device).get("options", {}))
+    options.pop("cpp_wrapper", None)
+    return options
+
+
+def package_key(model, batch: int, cache_len: int, cc: CompileConfig) -> dict:
+    """Everything that changes a package's code, as a JSON-able dict (its digest names the folder)."""
+    device = str(model.device)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # persistent, per user
+    config = dataclasses.asdict(cc)
+    config["options"] = sorted((k, repr(v)) for k, v in (cc.options or {}).items())
+    key = {
+        "format": FORMAT,
+        "checkpoint": checkpoint_identity(model.path),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": quantization(model.decoder),
+        "batch": batch,
+        "cache_len": cache_len,
+        "compile": config,
+        "inductor": sorted((k, repr(v)) for k, v in inductor_options(cc, device).items()),
+        "device": device,
+        "torch": torch.__version__,
+        "cpu": cpu_features(),
+        "code": code_digest(),
+    }
+    return json.loads(json.dumps(key))  # as the manifest reads back (tuples become lists)
+
+
+def digest(key: dict) -> str:
+    return identity_key([json.dumps(key, sort_keys=True)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Package:
+    """A stored package: its folder and what its manifest records."""
+
+    folder: Path
+    manifest: dict
+
+    @property
+    def path(self) -> Path:
+        return self.folder / PACKAGE
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    def describe(self) -> str:
+        """'batch 1, cache 512, bfloat16, int8' for listings and progress lines."""
+        key = self.manifest.get("key", {})
+        quant = key.get("quantization", "?")
+        parts = [
+            f"batch {key.get('batch', '?')}",
+            f"cache {key.get('cache_len', '?')}",
+            key.get("dtype", "?"),
+        ]
+        return ", ".join(parts + ([quant] if quant != "none" else []))
+
+
+def find(key: dict, root: Path | None = None, quiet: bool = False) -> Package | None:
+    """The stored package for `key`, or None when there is none or it must not be loaded (with a warning
+    saying why: truncated, unreadable, or its recorded CPU features are not this CPU's)."""
+    folder = (root or store_root()) / digest(key)
+    manifest_path = folder / "manifest.json"
+    if not folder.is_dir():
+        return None
+    problem = None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        size = (folder / PACKAGE).stat().st_size
+    except (OSError, ValueError) as e:
+        manifest, size, problem = {}, None, f"unreadable ({e.__class__.__name__})"
+    if problem is None and manifest.get("cpu") != key["cpu"]:
+        problem = (
+            f"built for another CPU ({_cpu_words(manifest.get('cpu'))}; this one is {_cpu_words(key['cpu'])})"
+        )
+    elif problem is None and size != manifest.get("bytes"):
+        problem = f"truncated ({size} of {manifest.get('bytes')} bytes)"
+    elif problem is None and manifest.get("key") != key:
+        problem = "its manifest records another key"
+    if problem is not None:
+        if not quiet:
+            _reject(folder, problem)
+        return None
+    return Package(folder, manifest)
+
+
+def _cpu_words(features) -> str:
+    if not isinstance(features, dict):
+        return "unknown"
+    return f"{features.get('capability')}, vector ISA {features.get('vec_isa')}"
+
+
+def _reject(folder: Path, problem: str) -> None:
+    warnings.warn(
+        f"compiled-step package {folder} is {problem}: rebuilding it, not loading it",
+        PackageRejectedWarning,
+        stacklevel=3,
+    )
+
+
+@contextmanager
+def build_lock(root: Path) -> Iterator[None]:
+    """Hold the store's build lock (one build at a time; a second builder of a key finds it built)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building a compiled step in %s ...", root)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+class _StepModule(torch.nn.Module):
+    """The decode step as a module for torch.export: the cache's tensors are inputs it mutates in place."""
+
+    def __init__(self, decoder: torch.nn.Module, cache: StaticCache) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.cache = cache
+
+    def forward(self, tokens, positions, slots, *state):
+        ones = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
+        with _swapped(self.cache, state):
+            logits = self.decoder(tokens, ones, positions=positions, cache=self.cache, slots=slots)
+        return logits[:, -1].float()
+
+
+def state_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor the cache holds (keys, values, validity, ...), once each, in a stable order."""
+    seen: dict[int, torch.Tensor] = {}
+    for _owner, _name, _index, t in _tensor_slots(cache):
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _tensor_slots(obj, depth: int = 0):
+    """(owner, attribute, list index or None, tensor) for each tensor in the cache and its layer views."""
+    for name, value in vars(obj).items():
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, torch.Tensor):
+                yield obj, name, index, item
+            elif depth < 2 and type(item).__module__ == StaticCache.__module__:
+                yield from _tensor_slots(item, depth + 1)
+
+
+@contextmanager
+def _swapped(cache, tensors):
+    """The cache's tensors replaced by `tensors` (same order as state_tensors) for one traced call."""
+    slots = list(_tensor_slots(cache))
+    order = {id(t): i for i, t in enumerate(state_tensors(cache))}
+    put = [(owner, name, index, tensors[order[id(t)]]) for owner, name, index, t in slots]
+    try:
+        for owner, name, index, t in put:
+            _assign(owner, name, index, t)
+        yield
+    finally:
+        for owner, name, index, t in slots:
+            _assign(owner, name, index, t)
+
+
+def _assign(owner, name, index, tensor) -> None:
+    if index is None:
+        setattr(owner, name, tensor)
+    else:
+        getattr(owner, name)[index] = tensor
+
+
+def build(model, cache: StaticCache, cc: CompileConfig, key: dict, root: Path) -> Package:
+    """Export and compile the decode step for `cache`'s shape into the store (under its lock)."""
+    device = str(model.device)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    folder = root / digest(key)
+    tmp = temporary(folder)
+    remove_stale_temporaries(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            state = [torch.zeros_like(t) for t in state_tensors(cache)]
+            b = cache.batch
+            example = (
+                torch.zeros(b, 1, dtype=torch.long),
+                torch.zeros(b, 1, dtype=torch.long),
+                torch.zeros(1, dtype=torch.long),
+            )
+            model.decoder.ensure_rope(cache.max_len, model.device)
+            limit, cache.limit = cache.limit, cache.max_len  # fixed shapes: the step reads the whole cache
+            try:
+                exported = torch.export.export(
+                    _StepModule(model.decoder, cache), (*example, *state), strict=False
+                )
+            finally:
+                cache.limit = limit
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(tmp / PACKAGE), inductor_configs=inductor_options(cc, device)
+            )
+        seconds = time.perf_counter() - start
+        manifest = {
+            "key": key,
+            "cpu": key["cpu"],
+            "bytes": (tmp / PACKAGE).stat().st_size,
+            "built": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "build_seconds": round(seconds, 1),
+            "source": str(model.path),
+        }
+        commit_folder(tmp, folder, manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Package(folder, manifest)
+
+
+class PackagedStep:
+    """A decode step loaded from a package: step(tokens, positions, slots, length) -> logits [b, vocab]."""
+
+    def __init__(self, runner, cache: StaticCache, package: Package, how: str) -> None:
+        self.runner, self.cache, self.package, self.how = runner, cache, package, how
+        self.state = state_tensors(cache)
+
+    def __call__(self, tokens, positions, slots, length):
+        self.cache.limit = self.cache.max_len  # fixed shapes: the graph always reads the whole cache
+        return self.runner(tokens, positions, slots, *self.state)
+
+    def explain(self) -> str:
+        return f"compiled step: {self.how}"
+
+
+class Packages:
+    """A model's packaged steps: each found in the store (or built into it) once, loaded once, and
+    reused by every cache of its shape."""
+
+    def __init__(self, model, root: Path | None = None) -> None:
+        self.model, self.root = model, root or store_root()
+        self.loaded: dict[str, tuple[object, Package, str]] = {}  # digest -> (runner, package, how)
+
+    def applies(self, cc: CompileConfig, cache=None) -> bool:
+        """Whether this model's step for `cc` (and `cache`) comes from a package: resident weights only
+        (they freeze), and a plain StaticCache (other caches, e.g. continuous batching's rows, alias its
+        tensors, which a package's inputs must not)."""
+        plain = cache is None or type(cache) is StaticCache
+        return applies(cc, self.model.device) and self.model.streamer is None and plain
+
+    def step(self, cache: StaticCache, cc: CompileConfig) -> PackagedStep:
+        """The packaged step for `cache`'s shape: loaded when the store has it, else built, then loaded."""
+        key = package_key(self.model, cache.batch, cache.max_len, cc)
+        name = digest(key)
+        if name not in self.loaded:
+            self.loaded[name] = self._load_or_build(
+                key, f"batch {cache.batch}, cache {cache.max_len}", cache, cc
+            )
+        runner, package, how = self.loaded[name]
+        return PackagedStep(runner, cache, package, how)
+
+    def prepare(
+        self,
+        batches: list[int],
+        cache_len: int,
+        cc: CompileConfig,
+        report: Callable[[str], None] | None = None,
+    ) -> list[PackagedStep]:
+        """Find or build the packages for each batch size at one cache length, one report line each."""
+        steps = []
+        for i, batch in enumerate(batches):
+            start = time.perf_counter()
+            cache = StaticCache(self.model.config, batch, cache_len, self.model.dtype, self.model.device)
+            step = self.step(cache, cc)
+            if report is not None:
+                size = step.package.path.stat().st_size
+                report(
+                    f"[{i + 1}/{len(batches)}] {step.package.describe()}: {step.package.path} "
+                    f"({size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)"
+                )
+            steps.append(step)
+        return steps
+
+    def _load_or_build(self, key: dict, what: str, cache: StaticCache, cc: CompileConfig):
+        start = time.perf_counter()
+        package = find(key, self.root)
+        runner = _try_load(package) if package is not None else None
+        if runner is None:
+            with build_lock(self.root):
+                package = find(key, self.root, quiet=True)  # another process may have built it meanwhile
+                runner = _try_load(package) if package is not None else None
+                if runner is None:
+                    log.info("compiled step: building a package (%s) ...", what)
+                    package = build(self.model, cache, cc, key, self.root)
+                    runner = load(package)
+                    how = f"built package {package.name} ({what}) in {time.perf_counter() - start:.1f} s"
+                    log.info("compiled step: %s", how)
+                    return runner, package, how
+        built = package.manifest.get("built")
+        how = f"loaded package {package.name} ({what}), built {built}, {time.perf_counter() - start:.1f} s"
+        log.info("compiled step: %s", how)
+        return runner, package, how
+
+
+def load(package: Package):
+    return torch._inductor.aoti_load_package(str(package.path))
+
+
+def _try_load(package: Package):
+    try:
+        return load(package)
+    except Exception as e:  # a damaged package is rebuilt, never trusted
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _reject(package.folder, f"unloadable ({first})")
+        return None
