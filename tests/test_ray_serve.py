@@ -50,6 +50,15 @@ def wait_until(predicate, timeout: float, what: str):
     return result
 
 
+def stream_events(url: str, body: dict, timeout: float = 120) -> tuple[httpx.Response, list[str]]:
+    """A streamed chat completion: the response (headers) and its `data:` payloads."""
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=timeout, trust_env=False
+    ) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return response, events
+
+
 def served_by(responses: list[httpx.Response]) -> set[str]:
     return {r.headers[HEADER] for r in responses}
 
@@ -91,6 +100,7 @@ def healthy_replicas(url: str) -> set[str] | None:
     """The replicas' names when /health says all of them are healthy, else None."""
     response = get(url, "/health")
     body = response.json()
+    assert response.headers[HEADER] == ray_app.ROUTER_NAME  # the router's own answer
     if response.status_code != 200:
         return None
     assert body["status"] == "ok" and body["healthy_replicas"] == body["expected_replicas"] == 2
@@ -144,6 +154,22 @@ def test_errors_keep_the_single_process_shape_and_name_the_replica(cluster):
     assert response.headers[HEADER] in healthy_replicas(cluster)
 
 
+@needs_ray
+def test_a_client_that_leaves_mid_stream_cancels_its_generation_on_the_replica(cluster):
+    body = {**chat_body("A very long answer, please.", max_tokens=3000), "stream": True}
+    with httpx.stream(
+        "POST", f"{cluster}/v1/chat/completions", json=body, timeout=60, trust_env=False
+    ) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    # closed after the first event: the router cancels the handle call, the replica's app sees the disconnect
+
+    def cancelled_and_idle() -> bool:
+        totals = get(cluster, "/stats").json()["totals"]
+        return totals.get("finish_reasons", {}).get("cancelled", 0) >= 1 and totals["running"] == 0
+
+    wait_until(cancelled_and_idle, 60, "the generation to be cancelled")
+
+
 # --- faults ------------------------------------------------------------------------------------------------
 
 
@@ -154,18 +180,29 @@ def test_a_killed_replica_fails_its_requests_with_503_and_is_replaced(cluster):
     victim_name, victim = next(iter(replica_stats(cluster).items()))
     long = [chat_body(p, max_tokens=400) for p in PROMPTS]  # long enough to be running when the kill comes
     with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(post, cluster, body, 120) for body in long]
+        whole = [pool.submit(post, cluster, body, 120) for body in long[:8]]
+        streamed = [pool.submit(stream_events, cluster, body, 120) for body in long[8:]]
         wait_until(
             lambda: replica_stats(cluster).get(victim_name, {}).get("running"), 60, "a running request"
         )
         os.kill(victim["pid"], signal.SIGKILL)
-        responses = [f.result(timeout=150) for f in futures]  # none hangs
+        responses = [f.result(timeout=150) for f in whole]  # none hangs
+        streams = [f.result(timeout=150) for f in streamed]
     failed = [r for r in responses if r.status_code != 200]
-    assert failed, "the killed replica was running requests: they must fail"
     for response in failed:
         check_openai_error(response, 503, "replica_unavailable")
         assert response.headers.get("retry-after") == "1"
     assert all(r.headers[HEADER] != victim_name for r in responses if r.status_code == 200)
+    broken = 0
+    for response, events in streams:  # a stream that had begun ends with the error event, then [DONE]
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        if "error" in last:
+            assert last["error"]["code"] == "replica_unavailable" and response.headers[HEADER] == victim_name
+            broken += 1
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+    assert failed or broken, "the killed replica was running requests: they must fail"
 
     after = wait_until(lambda: healthy_replicas(cluster), 150, "two healthy replicas again")
     assert victim_name not in after and len(after) == 2  # Ray Serve started a new replica
