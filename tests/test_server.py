@@ -69,8 +69,12 @@ def write_tokenizer(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
+    return write_served_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+def write_served_model(folder: Path) -> Path:
     """A 2-layer random model with a 4096-token context whose EOS logit is 0, so greedy runs go the distance."""
-    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("served") / "tiny", "mistral")
+    folder = write_tiny_checkpoint(folder, "mistral")
     write_tokenizer(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
@@ -274,7 +278,7 @@ def test_sixteen_concurrent_streams_each_match_their_solo_run(client, live):
 
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "half-on-disk"])
 def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference, offloaded, tmp_path):
-    """With compilation on, a batch of 3 runs as 4 (one padding row), so only power-of-two batch sizes
+    """Static batching: with compilation on, a batch of 3 runs as 4 (one padding row), so only power-of-two batch sizes
     ever compile; the padding changes no text. An offloaded model is not compiled (decide() says so),
     so it is not padded either."""
     from tierlm import CompileConfig
@@ -283,7 +287,7 @@ def test_compiled_serving_rounds_batches_up_to_powers_of_two(tiny_dir, reference
     model = tierlm.load(tiny_dir, dtype="float32", **(placement if offloaded else {}))
     config = GenerationConfig(compile_config=CompileConfig(scope="layer"))
     prompts = ["The fox", "Hello there", "tiny words tiny words"]
-    with serve(model, max_batch_size=8, generation_config=config) as live:
+    with serve(model, max_batch_size=8, generation_config=config, batching="static") as live:
         oai = openai.OpenAI(
             base_url=f"{live.url}/v1", api_key="-", max_retries=0, http_client=httpx.Client(trust_env=False)
         )
@@ -318,7 +322,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param)
     (CHAT, {**GOOD, "temperature": "hot"}, "temperature"),
     (CHAT, {**GOOD, "max_tokens": 0}, "max_tokens"),
     (CHAT, {**GOOD, "max_tokens": 2.5}, "max_tokens"),
-    (CHAT, {**GOOD, "n": 2}, "n"),
+    (CHAT, {**GOOD, "n": 0}, "n"),
     (CHAT, {**GOOD, "stream": "yes"}, "stream"),
     (CHAT, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (CHAT, {**GOOD, "messages": []}, "messages"),
@@ -326,7 +330,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param)
     (CHAT, {"model": NAME}, "messages"),
     (CHAT, {**GOOD, "max_tokens": CONTEXT}, "max_tokens"),
     (CHAT, {**GOOD, "messages": [{"role": "user", "content": "fox " * CONTEXT}]}, "messages"),
-    ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": ["a", ""]}, "prompt[1]"),
     ("/v1/completions", {"model": NAME, "prompt": [5, 999]}, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": ""}, "prompt"),
 ]

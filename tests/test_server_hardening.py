@@ -65,7 +65,6 @@ def completion_body(**fields) -> dict:
 # --- fields the server cannot honour are refused, naming the field -------------------------------------------
 
 UNHONOURED = [  # (path, body, the param the error names)
-    (CHAT, chat_body(response_format={"type": "json_object"}), "response_format"),
     (
         CHAT,
         chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
@@ -76,6 +75,7 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(functions=[{"name": "f", "parameters": {}}]), "functions"),
     (CHAT, chat_body(function_call="auto"), "function_call"),
     (CHAT, chat_body(top_logprobs=2), "top_logprobs"),
+    (CHAT, chat_body(min_tokens=3), "min_tokens"),
     (CHAT, chat_body(modalities=["text", "audio"]), "modalities"),
     (CHAT, chat_body(audio={"voice": "alloy", "format": "wav"}), "audio"),
     (CHAT, chat_body(service_tier="priority"), "service_tier"),
@@ -83,9 +83,6 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(verbosity="low"), "verbosity"),
     (CHAT, chat_body(web_search_options={}), "web_search_options"),
     (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages[0].name"),
-    (CHAT, chat_body(top_k=1), "top_k"),
-    (COMPLETIONS, completion_body(min_p=0.1), "min_p"),
-    (COMPLETIONS, completion_body(repetition_penalty=1.3), "repetition_penalty"),
 ]
 
 

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile", action="store_true")
     serve.add_argument("--compile-scope", choices=("model", "layer"))
     serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument(
+        "--batching",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous: requests join and leave the running batch at every step (default); static: a "
+        "request waits for a running batch to end",
+    )
     serve.add_argument("--api-key")
     serve.add_argument(
         "--replicas", type=int, help="serve through Ray Serve with N model replicas (needs tierlm[ray])"
@@ -358,6 +365,7 @@ def cmd_serve(args) -> int:
         max_batch_size=args.max_batch_size,
         api_key=args.api_key,
         generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
+        batching=args.batching,
     )
     return 0
 

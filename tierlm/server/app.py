@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
 from tierlm.server.batcher import Scheduler
+from tierlm.server.continuous import ContinuousScheduler
 from tierlm.server.errors import GuardMiddleware, install_error_handlers
 from tierlm.server.routes import ServerState, router
 
@@ -41,11 +42,14 @@ def build_app(
     max_body_bytes: int = 1_000_000,
     generation_config: GenerationConfig | None = None,
     default_max_tokens: int = 1024,
+    batching: str = "continuous",
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
     `generation_config` carries the server-wide settings (cache, compile_config); requests set sampling.
     `default_max_tokens` caps chat completions that do not say how many tokens they want.
+    `batching`: "continuous" (requests join and leave the running batch at every step) or "static" (a
+    request that arrives while every running batch decodes waits for one to end).
     """
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(
@@ -53,14 +57,25 @@ def build_app(
         )
     if max_body_bytes < 1 or default_max_tokens < 1:
         raise ValueError("max_body_bytes and default_max_tokens must be >= 1")
-    scheduler = Scheduler(
+    schedulers = {"continuous": ContinuousScheduler, "static": Scheduler}
+    if batching not in schedulers:
+        raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    if batching == "continuous" and any(getattr(getattr(model, "decoder", None), "sliding", ())):
+        batching = "static"  # rows of one cache at different positions: not with a sliding-window ring
+    scheduler = schedulers[batching](
         model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
-        logger.info("serving %s (max_batch_size=%d, max_queue=%d)", name, max_batch_size, max_queue)
+        logger.info(
+            "serving %s (%s batching, max_batch_size=%d, max_queue=%d)",
+            name,
+            scheduler.batching,
+            max_batch_size,
+            max_queue,
+        )
         yield
         await asyncio.to_thread(scheduler.stop)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tierlm.compile import decide
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.loop import TokenLogprob, row_seed
 from tierlm.generation.run import static_cache_length
 
 if TYPE_CHECKING:
@@ -37,39 +38,6 @@ class ShuttingDown(Exception):
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """The settings rows of one batch must share: greedy rows always batch together."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def key(self) -> tuple | None:
-        """Batching key; None when the request must run alone (a seeded sample is reproducible only solo)."""
-        if self.greedy:
-            return ("greedy",)
-        if self.seed is not None:
-            return None
-        return ("sample", self.temperature, self.top_p)
-
-    def config(self, base: GenerationConfig, max_new_tokens: int) -> GenerationConfig:
-        if self.greedy:
-            return base.replace(max_new_tokens=max_new_tokens, do_sample=False, stop=(), seed=None)
-        return base.replace(
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop=(),
-        )
-
-
-@dataclass(frozen=True)
 class Event:
     """What the worker tells a request: a text delta, its end ("done"), or a failure ("error")."""
 
@@ -77,6 +45,9 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
+    index: int = 0  # the choice's index in the response
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this event adds, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a choice's first event, when asked
 
 
 _ids = itertools.count()
@@ -89,19 +60,35 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     stops: tuple[str, ...]
-    sampling: Sampling
+    config: (
+        GenerationConfig  # this request's sampling settings; config.n choices, max_new_tokens = max_tokens
+    )
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # requests of one response may share one
+    index: int = 0  # the response's index of this request's first choice (several prompts, one response)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False  # set by the asyncio side when the client goes away
-    ended: bool = False  # a "done" or "error" event was sent
+    ended: bool = False  # every choice sent "done", or one an "error"
     tokens: int = 0
+    choices_done: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.config.n
+
+    def choice_config(self, choice: int) -> GenerationConfig:
+        """The settings of one choice sampled on its own row: a seeded request's choice i draws from
+        row_seed(seed, i), as the library's n samples do."""
+        seed = None if self.config.seed is None else row_seed(self.config.seed, choice)
+        return self.config.replace(n=1, seed=seed)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the request's event loop; never blocks the worker."""
         if self.ended:
             return
-        self.ended = event.kind != "delta"
+        if event.kind == "done":
+            self.choices_done += 1
+        self.ended = event.kind == "error" or self.choices_done == self.n
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -113,9 +100,11 @@ class Job:
     """A batch of requests and how it runs: rows (padding rows after the requests' own), its generation."""
 
     requests: list[Request]
+    owners: list[tuple[Request, int] | None]  # per row: its request and choice (None: a padding row)
     rows: list[list[int]]
     limits: list[int]
     stops: list[tuple[str, ...]]
+    row_configs: list[GenerationConfig]
     config: GenerationConfig
     cache_shape: tuple[int, int] | None  # (rows, slots) of the static cache it takes; None if dynamic
     compiles: bool  # may run the compiled decode step, which only the model's own cache of a shape has
@@ -125,7 +114,12 @@ class Job:
 
 
 class Scheduler:
-    """Owns the model on one worker thread; the asyncio side only submits and cancels requests."""
+    """Owns the model on one worker thread; the asyncio side only submits and cancels requests.
+
+    This one batches statically: requests queue while every running batch decodes, until one ends.
+    """
+
+    batching = "static"
 
     def __init__(
         self,
@@ -189,7 +183,8 @@ class Scheduler:
             if request in self._pending:
                 self._pending.remove(request)
                 self._finish_reasons["cancelled"] += 1
-                request.emit(Event("done", finish_reason="cancelled"))
+                for choice in range(request.n):
+                    request.emit(Event("done", finish_reason="cancelled", index=request.index + choice))
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests; let the ones in flight run for `grace_s` more seconds, then end them."""
@@ -222,6 +217,7 @@ class Scheduler:
                 "running": len(self._running),
                 "max_batch_size": self.max_batch_size,
                 "max_queue": self.max_queue,
+                "batching": self.batching,
             }
 
     # --- worker thread ----------------------------------------------------------------------
@@ -288,8 +284,8 @@ class Scheduler:
                 return None
             job.own_cache = holder is not None
             self._running.extend(batch)
-            self._stats["padding_rows"] += len(job.rows) - len(batch)
-        self._record_batch(len(batch))
+            self._stats["padding_rows"] += sum(o is None for o in job.owners)
+        self._record_batch(sum(o is not None for o in job.owners))
         try:
             job.gen = self.model.start(
                 job.rows,
@@ -297,6 +293,7 @@ class Scheduler:
                 row_max_new_tokens=job.limits,
                 row_stops=job.stops,
                 own_cache=job.own_cache,
+                row_configs=job.row_configs,
             )
         except Exception as err:
             self._fail(batch, err)
@@ -306,10 +303,12 @@ class Scheduler:
 
     def _plan(self, batch: list[Request]) -> Job:
         """The rows, limits and config of a batch, and the static cache shape it will take."""
-        config = batch[0].sampling.config(self.base_config, max(r.max_tokens for r in batch))
-        rows = [r.prompt_ids for r in batch]
-        limits = [r.max_tokens for r in batch]
-        stops = [r.stops for r in batch]
+        config = self.base_config.replace(max_new_tokens=max(r.max_tokens for r in batch), stop=(), n=1)
+        owners = [(r, c) for r in batch for c in range(r.n)]
+        rows = [r.prompt_ids for r, _ in owners]
+        limits = [r.max_tokens for r, _ in owners]
+        stops = [r.stops for r, _ in owners]
+        row_configs = [r.choice_config(c) for r, c in owners]
         compiles = decide(  # the one decision: e.g. an offloaded model never compiles, so never pads
             self.model.device_map,
             config.cache_implementation,
@@ -320,11 +319,13 @@ class Scheduler:
         if compiles:
             # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
             # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
-            extra = (1 << (len(batch) - 1).bit_length()) - len(batch)
+            extra = (1 << (len(rows) - 1).bit_length()) - len(rows)
             rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
+            row_configs += [config.replace(do_sample=False, logprobs=None, prompt_logprobs=None)] * extra
         length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
         shape = (len(rows), length) if length is not None else None
-        return Job(batch, rows, limits, stops, config, shape, compiles)
+        padded = owners + [None] * (len(rows) - len(owners))
+        return Job(batch, padded, rows, limits, stops, row_configs, config, shape, compiles)
 
     def _advance(self, job: Job) -> bool:
         """One unit of the job's work, its deltas sent to the clients; False once the job is over."""
@@ -336,19 +337,26 @@ class Scheduler:
         if updates is None:
             return False
         for row, delta, finished, reason in updates:
-            if row >= len(job.requests):  # a padding row
+            if job.owners[row] is None:  # a padding row
                 continue
-            r = job.requests[row]
+            r, choice = job.owners[row]
             r.tokens += 1
             if (r.cancelled or self._past_deadline()) and not finished:
                 job.gen.cancel(row)
                 if not r.cancelled:
                     r.emit(Event("error", text=SHUTDOWN_MESSAGE))
-            if delta:
-                r.emit(Event("delta", text=delta))
+            emitted = len(job.gen.state.tokens[row])
+            logprobs = tuple(job.gen.state.logprobs[row][-1:]) if r.config.logprobs is not None else ()
+            prompt_lp = job.gen.prompt_logprobs[row] if job.gen.prompt_logprobs and emitted == 1 else None
+            if delta or logprobs or prompt_lp:
+                r.emit(
+                    Event(
+                        "delta", delta, index=r.index + choice, logprobs=logprobs, prompt_logprobs=prompt_lp
+                    )
+                )
             if finished:
-                self._record_finish(reason, r.tokens)
-                r.emit(Event("done", finish_reason=reason, completion_tokens=r.tokens))
+                self._record_finish(reason, emitted)
+                r.emit(Event("done", finish_reason=reason, completion_tokens=emitted, index=r.index + choice))
         if not job.gen.prefilled and (self._past_deadline() or all(r.cancelled for r in job.requests)):
             self._abandon(job)  # nobody waits for the rest of this prompt
             return False
@@ -359,7 +367,8 @@ class Scheduler:
             if not r.cancelled:
                 r.emit(Event("error", text=SHUTDOWN_MESSAGE))
             self._record_finish("cancelled", r.tokens)
-            r.emit(Event("done", finish_reason="cancelled"))
+            for choice in range(r.n):
+                r.emit(Event("done", finish_reason="cancelled", index=r.index + choice))
 
     def _fail(self, batch: list[Request], err: Exception) -> None:
         logger.error("batch of %d rows failed", len(batch), exc_info=err)
@@ -395,15 +404,15 @@ class Scheduler:
     def _take_batch(self) -> list[Request]:
         """The oldest request and the queued ones that can share its batch (settings and cache length)."""
         head = self._pending[0]
-        batch, key = [head], head.sampling.key()
+        batch, rows = [head], head.n  # each row its own sampling settings: any requests may share a batch
         width, longest = len(head.prompt_ids), head.max_tokens
         for r in self._pending[1:]:
-            if key is None or len(batch) == self.max_batch_size:
+            if rows + r.n > self.max_batch_size:
                 break
             w, n = max(width, len(r.prompt_ids)), max(longest, r.max_tokens)
-            if r.sampling.key() == key and w + n <= self.context:
+            if w + n <= self.context:
                 batch.append(r)
-                width, longest = w, n
+                width, longest, rows = w, n, rows + r.n
         for r in batch:
             self._pending.remove(r)
         return batch

@@ -1,4 +1,7 @@
-"""Turning a request's worker events into OpenAI responses: whole JSON bodies or server-sent event streams."""
+"""Turning a request's worker events into OpenAI responses: whole JSON bodies or server-sent event streams.
+
+One response may hold several choices (n samples of each of several prompts): their events share one queue
+and carry the choice's index."""
 
 from __future__ import annotations
 
@@ -13,13 +16,30 @@ from fastapi import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tierlm.generation.loop import TokenLogprob
 from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler
 from tierlm.server.errors import APIError, error_body
 
 
 @dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    started: bool = False  # its echo (prompt text and log probabilities) went out
+    offset: int = 0  # characters so far, for a completion's text_offset
+
+
+@dataclass
 class Reply:
-    """Identity and shape of one response: chat ("chat.completion") or text ("text_completion")."""
+    """Identity and shape of one response: chat ("chat.completion") or text ("text_completion").
+
+    `prompts` holds, per choice, its prompt ids and text (for `echo`); `top` is the number of top log
+    probabilities asked for (None: no log probabilities at all); `echo` repeats the prompt (completions).
+    """
 
     chat: bool
     model: str
@@ -27,9 +47,15 @@ class Reply:
     include_usage: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    choices: int = 1
+    prompts: list[tuple[list[int], str]] = field(default_factory=list)
+    echo: bool = False
+    top: int | None = None
+    tokenizer: object = None
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.state = [Choice() for _ in range(self.choices)]
 
     def usage(self, completion_tokens: int) -> dict:
         total = self.prompt_tokens + completion_tokens
@@ -39,33 +65,122 @@ class Reply:
             "total_tokens": total,
         }
 
-    def body(self, text: str, finish_reason: str | None, completion_tokens: int) -> dict:
-        """The non-streamed response."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": self.usage(completion_tokens)}
+    # --- events -> choices --------------------------------------------------------------------------
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-        """One streamed chunk carrying a text delta and/or the finish reason."""
+    def add(self, event: Event) -> tuple[str, list]:
+        """Record a delta event on its choice; returns the text and log probability entries it adds
+        (with the echoed prompt first, on a choice's first event)."""
+        c = self.state[event.index]
+        text, entries = event.text, list(event.logprobs)
+        if not c.started:
+            c.started = True
+            if self.echo:
+                ids, prompt_text = self.prompts[event.index]
+                text = prompt_text + text
+                if event.prompt_logprobs is not None:
+                    first = TokenLogprob(ids[0], None, [])  # the first prompt token has no log probability
+                    entries = [first, *event.prompt_logprobs[1:], *entries]
+        c.parts.append(text)
+        c.logprobs.extend(entries)
+        return text, entries
+
+    def finish(self, event: Event) -> None:
+        c = self.state[event.index]
+        c.finish_reason, c.completion_tokens = event.finish_reason, event.completion_tokens
+        if not c.started and self.echo:  # nothing was generated: the echo still goes out
+            self.add(Event("delta", index=event.index))
+
+    # --- log probabilities in OpenAI's two shapes ----------------------------------------------------
+
+    def _token(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _logprobs(self, entries: list[TokenLogprob], choice: Choice) -> dict | None:
+        if self.top is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self._token(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(choice.offset)
+            choice.offset += len(t)
+        tops = []
+        for e in entries:
+            top = None
+            if e.logprob is not None:  # the chosen token too, as vLLM answers
+                top = {}
+                for t, v in [*e.top[: self.top], (e.token, e.logprob)]:
+                    top.setdefault(self._token(t), v)  # tokens that decode alike keep the likelier
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, e: TokenLogprob) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text = self._token(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[: self.top]]}
+
+    # --- bodies ------------------------------------------------------------------------------------
+
+    def body(self) -> dict:
+        """The non-streamed response."""
+        choices = []
+        for index, c in enumerate(self.state):
+            c.offset = 0
+            logprobs = self._logprobs(c.logprobs, c)
+            text = "".join(c.parts)
+            if self.chat:
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                }
+            else:
+                choice = {"index": index, "text": text, "logprobs": logprobs}
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        tokens = sum(c.completion_tokens for c in self.state)
+        return {**self._head(kind), "choices": choices, "usage": self.usage(tokens)}
+
+    def chunk(
+        self,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        index: int = 0,
+        entries: list[TokenLogprob] | None = None,
+    ) -> dict:
+        """One streamed chunk carrying a text delta (and its tokens' log probabilities) or the finish reason."""
+        logprobs = self._logprobs(entries, self.state[index]) if entries else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def usage_chunk(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": self.usage(completion_tokens)}
+        tokens = sum(c.completion_tokens for c in self.state)
+        return {**self._head(kind), "choices": [], "usage": self.usage(tokens)}
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -78,46 +193,67 @@ def failure(event: Event) -> APIError:
     return APIError(500, event.text, code="generation_failed")
 
 
-async def collect(scheduler: Scheduler, request: Request, http: HTTPRequest, reply: Reply) -> dict:
-    """Wait for the whole generation; a client that disconnects meanwhile cancels it."""
-    watcher = asyncio.create_task(_cancel_on_disconnect(scheduler, request, http.receive))
-    parts: list[str] = []
+async def collect(scheduler: Scheduler, requests: list[Request], http: HTTPRequest, reply: Reply) -> dict:
+    """Wait for every choice; a client that disconnects meanwhile cancels them."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(scheduler, requests, http.receive))
+    queue, left = requests[0].queue, reply.choices
     event: Event | None = None
     try:
-        while (event := await request.queue.get()).kind == "delta":
-            parts.append(event.text)
+        while left:
+            event = await queue.get()
+            if event.kind == "error":
+                break
+            if event.kind == "delta":
+                reply.add(event)
+            else:
+                reply.finish(event)
+                left -= 1
     finally:
         watcher.cancel()
-        if event is None or event.kind == "delta":
-            scheduler.cancel(request)
-    if event.kind == "error":
+        if left:
+            for r in requests:
+                scheduler.cancel(r)
+    if event is not None and event.kind == "error":
         raise failure(event)
-    return reply.body("".join(parts), event.finish_reason, event.completion_tokens)
+    return reply.body()
 
 
-async def _cancel_on_disconnect(scheduler: Scheduler, request: Request, receive: Receive) -> None:
+async def _cancel_on_disconnect(scheduler: Scheduler, requests: list[Request], receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    scheduler.cancel(request)
+    for r in requests:
+        scheduler.cancel(r)
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def event_stream(request: Request, reply: Reply) -> AsyncIterator[str]:
+async def event_stream(requests: list[Request], reply: Reply) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
     if reply.chat:
-        yield _sse(reply.chunk(role=True))
-    while (event := await request.queue.get()).kind == "delta":
-        yield _sse(reply.chunk(event.text))
-    if event.kind == "error":
-        err = failure(event)
-        yield _sse(error_body(err.status, err.message, code=err.code))
+        for index in range(reply.choices):
+            yield _sse(reply.chunk(role=True, index=index))
+    queue, left = requests[0].queue, reply.choices
+    while left:
+        event = await queue.get()
+        if event.kind == "error":
+            err = failure(event)
+            yield _sse(error_body(err.status, err.message, code=err.code))
+            break
+        if event.kind == "delta":
+            text, entries = reply.add(event)
+            yield _sse(reply.chunk(text, index=event.index, entries=entries))
+            continue
+        left -= 1
+        if not reply.state[event.index].started and reply.echo:
+            text, entries = reply.add(Event("delta", index=event.index))
+            yield _sse(reply.chunk(text, index=event.index, entries=entries))
+        reply.finish(event)
+        yield _sse(reply.chunk(None if reply.chat else "", event.finish_reason, index=event.index))
     else:
-        yield _sse(reply.chunk(None if reply.chat else "", event.finish_reason))
         if reply.include_usage:
-            yield _sse(reply.usage_chunk(event.completion_tokens))
+            yield _sse(reply.usage_chunk())
     yield _sse("[DONE]")
 
 

@@ -12,7 +12,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from tierlm import cpu
-from tierlm.server.batcher import QueueFull, Request, Sampling, Scheduler, ShuttingDown
+from tierlm.generation.config import GenerationConfig
+from tierlm.server.batcher import QueueFull, Request, Scheduler, ShuttingDown
 from tierlm.server.errors import APIError
 from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
 from tierlm.server.schemas import (
@@ -134,16 +135,37 @@ def _model_card(state: ServerState) -> dict:
 async def completions(body: CompletionRequest, http: HTTPRequest):
     state = _state(http)
     _check_common(state, body)
-    prompt = body.single_prompt()
-    if isinstance(prompt, list):
-        ids = _token_ids(state, prompt)
-    else:  # off the event loop: a long prompt takes a while to encode
-        ids = await asyncio.to_thread(state.model.tokenizer.encode, prompt)
-    max_tokens = _max_tokens(state, len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+    prompts = body.prompts()
+    many = len(prompts) > 1
+    rows, texts = [], []
+    for i, prompt in enumerate(prompts):
+        param = f"prompt[{i}]" if many else "prompt"
+        if isinstance(prompt, list):
+            ids = _token_ids(state, prompt, param)
+            text = state.model.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else ""
+        else:  # off the event loop: a long prompt takes a while to encode
+            ids, text = await asyncio.to_thread(state.model.tokenizer.encode, prompt), prompt
+        rows.append(ids)
+        texts.append(text)
+    limits = [
+        _max_tokens(state, len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        for ids in rows
+    ]
+    n = body.n or 1
+    echo_logprobs = body.logprobs if body.echo else None
+    configs = [_config(state, body, m, body.logprobs, echo_logprobs) for m in limits]
     reply = Reply(
-        chat=False, model=state.model_name, prompt_tokens=len(ids), include_usage=body.include_usage
+        chat=False,
+        model=state.model_name,
+        prompt_tokens=sum(len(ids) for ids in rows),
+        include_usage=body.include_usage,
+        choices=len(rows) * n,
+        prompts=[(ids, text) for ids, text in zip(rows, texts) for _ in range(n)],
+        echo=bool(body.echo),
+        top=body.logprobs,
+        tokenizer=state.model.tokenizer,
     )
-    return await _respond(state, http, body, ids, max_tokens, reply)
+    return await _respond(state, http, body, rows, configs, reply)
 
 
 @router.post(
@@ -156,8 +178,48 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     _check_common(state, body)
     ids = await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body)
     max_tokens = _max_tokens(state, len(ids), body.requested_max_tokens, state.default_max_tokens, "messages")
-    reply = Reply(chat=True, model=state.model_name, prompt_tokens=len(ids), include_usage=body.include_usage)
-    return await _respond(state, http, body, ids, max_tokens, reply)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    reply = Reply(
+        chat=True,
+        model=state.model_name,
+        prompt_tokens=len(ids),
+        include_usage=body.include_usage,
+        choices=body.n or 1,
+        top=top,
+        tokenizer=state.model.tokenizer,
+    )
+    return await _respond(state, http, body, [ids], [_config(state, body, max_tokens, top, None)], reply)
+
+
+def _config(
+    state: ServerState, body: _Common, max_tokens: int, logprobs, prompt_logprobs
+) -> GenerationConfig:
+    """The request's sampling settings over the server's generation config."""
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    settings = dict(
+        max_new_tokens=max_tokens,
+        min_new_tokens=0,
+        do_sample=temperature > 0,
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=max(body.top_k or 0, 0),
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        presence_penalty=float(body.presence_penalty or 0),
+        frequency_penalty=float(body.frequency_penalty or 0),
+        logit_bias=body.logit_bias_ids(state.model.config.vocab_size),
+        seed=body.seed,
+        n=body.n or 1,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        response_format=body.parsed_response_format,
+        stop=(),
+    )
+    base = state.scheduler.base_config
+    try:
+        return base.replace(**settings)
+    except ValueError as err:  # the schema checks ranges first; this names anything it let through
+        raise APIError(400, str(err)) from err
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -173,13 +235,17 @@ def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
 def _check_common(state: ServerState, body: _Common) -> None:
     _check_model(state, body.model)
     body.check_supported()
+    rows = state.scheduler.max_batch_size
+    if (body.n or 1) > rows:
+        message = f"n must be <= {rows}: each choice takes a row of the server's batch (max_batch_size)"
+        raise APIError(400, f"{message}, got {body.n}", "n")
 
 
-def _token_ids(state: ServerState, ids: list[int]) -> list[int]:
+def _token_ids(state: ServerState, ids: list[int], param: str = "prompt") -> list[int]:
     vocab = state.model.config.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+        raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param)
     return ids
 
 
@@ -208,22 +274,26 @@ def _max_tokens(
     return requested
 
 
-async def _respond(state: ServerState, http: HTTPRequest, body: _Common, ids, max_tokens: int, reply: Reply):
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    top_p = 1.0 if body.top_p is None else float(body.top_p)
-    request = Request(
-        prompt_ids=list(ids),
-        max_tokens=max_tokens,
-        stops=body.stops(),
-        sampling=Sampling(temperature=temperature, top_p=top_p, seed=body.seed),
-        loop=asyncio.get_running_loop(),
-    )
+async def _respond(state: ServerState, http: HTTPRequest, body: _Common, rows, configs, reply: Reply):
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    requests = []
+    for i, (ids, config) in enumerate(zip(rows, configs)):
+        stops = body.stops()
+        request = Request(list(ids), config.max_new_tokens, stops, config, loop, queue, index=i * config.n)
+        requests.append(request)
     try:
-        state.scheduler.submit(request)
-    except QueueFull as err:
-        raise APIError(503, str(err), code="queue_full") from err
-    except ShuttingDown as err:
-        raise APIError(503, str(err), code="server_shutting_down") from err
+        for request in requests:
+            state.scheduler.submit(request)
+    except (QueueFull, ShuttingDown) as err:
+        for request in requests:
+            state.scheduler.cancel(request)
+        code = "queue_full" if isinstance(err, QueueFull) else "server_shutting_down"
+        raise APIError(503, str(err), code=code) from err
     if body.stream:
-        return EventStreamResponse(event_stream(request, reply), lambda: state.scheduler.cancel(request))
-    return await collect(state.scheduler, request, http, reply)
+
+        def on_close() -> None:
+            for request in requests:
+                state.scheduler.cancel(request)
+
+        return EventStreamResponse(event_stream(requests, reply), on_close)
+    return await collect(state.scheduler, requests, http, reply)

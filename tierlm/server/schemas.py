@@ -3,21 +3,22 @@ errors, not coerced), and every OpenAI field the server cannot honour is refused
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from tierlm.generation.response_format import ResponseFormat, parse_response_format
 from tierlm.server.errors import APIError, short_repr
 
 MAX_STOPS = 4  # as OpenAI's API
 NO_TOOLS = "is not supported: this server does not call tools"
-NO_LOGPROBS = "is not supported: this server does not return log probabilities"
-# Other servers' sampling extensions to OpenAI's API: they would change the output, so they are refused.
+MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (chat) up to this
+MAX_N = 16  # choices per request (each takes a row of the batch)
+# Other servers' extensions to OpenAI's API this server does not implement: they would change the output,
+# so they are refused. top_k, min_p and repetition_penalty (as vLLM accepts them) are fields below.
 EXTENSIONS = (
-    "top_k",
-    "min_p",
-    "repetition_penalty",
     "min_tokens",
     "ignore_eos",
     "use_beam_search",
@@ -65,26 +66,45 @@ class _Common(BaseModel):
     """Fields both endpoints share; fields unknown to OpenAI's API are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
-        "n": ((1,), "must be 1: one choice per request is supported"),
-        "presence_penalty": ((0,), "is not supported: send 0 or leave it out"),
-        "frequency_penalty": ((0,), "is not supported: send 0 or leave it out"),
-        "logit_bias": (({},), "is not supported"),
-    }
+    LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
     user: str | None = None  # accepted: only a label
+    # extensions, as vLLM accepts them
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k filter
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it)
+    response_format: dict[str, Any] | None = None
+
+    @cached_property
+    def parsed_response_format(self) -> ResponseFormat | None:
+        """response_format validated and compiled to a grammar; a 400 naming what is wrong or unsupported."""
+        try:
+            return parse_response_format(self.response_format)
+        except ValueError as err:
+            raise APIError(400, str(err), "response_format") from err
+
+    def logit_bias_ids(self, vocab: int) -> dict[int, float]:
+        """logit_bias with its keys as token ids, each checked against the vocabulary."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isdigit() and int(key) < vocab):
+                message = f"logit_bias keys must be token ids in [0, {vocab}), got {short_repr(key)}"
+                raise APIError(400, message, "logit_bias")
+            out[int(key)] = bias
+        return out
 
     def check_supported(self) -> None:
         """Reject values the server cannot honour rather than silently ignoring them."""
@@ -94,6 +114,7 @@ class _Common(BaseModel):
                 message = f"{name} is not supported (an extension of other servers to OpenAI's API)"
                 raise APIError(400, f"{message}, got {short_repr(self.model_extra[name])}", name)
         self.stops()
+        _ = self.parsed_response_format
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -111,28 +132,25 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_Common.LIMITS,
-        "echo": ((False,), "is not supported: the answer does not repeat the prompt"),
-        "best_of": ((1,), "must be 1: one candidate per request is supported"),
-        "logprobs": ((), NO_LOGPROBS),
+        "best_of": ((1,), "must be 1: one candidate per choice is supported"),
         "suffix": (("",), "is not supported: this server does not insert text"),
     }
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool | None = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, text or token ids: one choice (n choices) each, in order."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"only one prompt per request is supported, got {len(p)}", "prompt")
-            p = p[0]
-        if not p:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        return p
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(prompts):
+            if not one:
+                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise APIError(400, f"{param} must not be empty", param)
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -172,9 +190,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_Common.LIMITS,
-        "logprobs": ((False,), NO_LOGPROBS),
-        "top_logprobs": ((), "is not supported: it needs logprobs, which this server does not return"),
-        "response_format": (({"type": "text"},), "must be {'type': 'text'}: output is not constrained"),
         "tools": (([],), NO_TOOLS),
         "tool_choice": (("none",), "must be 'none': this server does not call tools"),
         "functions": (([],), NO_TOOLS),
@@ -190,8 +205,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted: no tools are ever called
@@ -214,6 +228,8 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must contain at least one message", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for i, message in enumerate(self.messages):
             refuse_unless_default(message, message.LIMITS, f"messages[{i}].")
 
@@ -256,10 +272,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -270,10 +300,19 @@ class ChatCompletion(_Answer):
     choices: list[ChatChoice]
 
 
+class CompletionLogprobs(BaseModel):
+    """Per token (the prompt's too with `echo`, its first null): text, log probability, the top ones."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 

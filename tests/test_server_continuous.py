@@ -1,0 +1,256 @@
+"""The server's continuous batching, log probabilities, n, penalties, logit_bias and several prompts, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from test_server import NAME, check_error, serve, write_served_model
+
+import tierlm
+from tierlm.generation.config import GenerationConfig
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_served_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir):
+    with serve(tierlm.load(tiny_dir, dtype="float32"), max_batch_size=16) as s:
+        yield s
+
+
+@pytest.fixture
+def http(live):
+    with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as c:
+        yield c
+
+
+def complete(http, **fields) -> dict:
+    response = http.post(COMPLETIONS, json={"model": NAME, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_events(url: str, body: dict, sink: list, tag: str) -> None:
+    """Stream a completion, appending (tag, text) per chunk and (tag, None) at the end, in arrival order."""
+    with httpx.Client(trust_env=False, timeout=300) as c:
+        with c.stream("POST", f"{url}{COMPLETIONS}", json={"model": NAME, "stream": True, **body}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    sink.append((tag, json.loads(line[6:])["choices"][0]["text"]))
+    sink.append((tag, None))
+
+
+# --- continuous batching ---------------------------------------------------------------------------------------
+
+
+def test_short_request_joins_a_running_long_one_and_finishes_first(live):
+    events: list = []
+    long_body = {"prompt": "Go on and on", "max_tokens": 256, "temperature": 0}
+    long = threading.Thread(target=stream_events, args=(live.url, long_body, events, "long"))
+    long.start()
+    deadline = time.monotonic() + 60
+    while sum(tag == "long" for tag, _ in events) < 3:  # the long one has streamed its first tokens
+        assert time.monotonic() < deadline and long.is_alive()
+        time.sleep(0.005)
+    stream_events(live.url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0}, events, "short")
+    long.join()
+    order = [tag for tag, text in events if text is not None or tag == "long"]
+    first_short = order.index("short")
+    long_end = len(order) - 1 - order[::-1].index("long")
+    assert first_short < long_end, "the short request waited for the long one"
+    assert sum(1 for tag, text in events if tag == "long" and text) > 100  # it did run long
+    stats = live.stats()
+    assert stats["batching"] == "continuous"
+    assert stats["joined_running_batch"] >= 1 and stats["left_running_batch"] >= 1, stats
+
+
+MIXED = [  # (sampling fields, compared with the library's solo run: greedy and seeded rows)
+    {"temperature": 0},
+    {"temperature": 0, "presence_penalty": 1.2},
+    {"temperature": 0, "frequency_penalty": 0.8, "logit_bias": {"40": 4.0}},
+    {"temperature": 0, "repetition_penalty": 1.4},
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 1.0, "seed": 12, "top_k": 20},
+    {"temperature": 0.8, "seed": 13, "top_p": 0.9, "min_p": 0.05},
+    {"temperature": 1.2, "seed": 14, "presence_penalty": 0.5},
+]
+PROMPTS = ["The quick brown fox", "Hello, world!", "A tiny model", "Servers answer"]
+
+
+def library_config(fields: dict, max_tokens: int) -> GenerationConfig:
+    t = fields.get("temperature", 1.0)
+    bias = {int(k): v for k, v in fields.get("logit_bias", {}).items()}
+    plain = {k: v for k, v in fields.items() if k not in ("temperature", "logit_bias")}
+    return GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=t > 0, temperature=t, logit_bias=bias, **plain
+    )
+
+
+def test_sixteen_concurrent_mixed_streams_each_equal_their_solo_runs(live, tiny_dir):
+    reference = tierlm.load(tiny_dir, dtype="float32")
+    jobs = [(PROMPTS[i % 4], MIXED[i % 8], 6 + 5 * (i % 5)) for i in range(14)]
+    jobs += [(PROMPTS[0], {"temperature": 1.0}, 12), (PROMPTS[1], {"temperature": 0.7, "top_p": 0.8}, 9)]
+    delays = random.Random(0).sample(range(16), 16)
+
+    def run(i: int) -> str:
+        time.sleep(delays[i] * 0.01)  # staggered: requests join while others decode
+        prompt, fields, n = jobs[i]
+        events: list = []
+        stream_events(live.url, {"prompt": prompt, "max_tokens": n, **fields}, events, "x")
+        return "".join(text for _, text in events if text)
+
+    joined = live.stats()["joined_running_batch"]
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(run, range(16)))
+    for (prompt, fields, n), text in zip(jobs[:14], texts):
+        solo = reference.generate(prompt, library_config(fields, n)).texts[0]
+        assert text == solo, fields
+    stats = live.stats()
+    assert stats["max_batch_size_seen"] > 1 and stats["joined_running_batch"] > joined
+
+
+def test_compiled_continuous_batch_equals_eager(tiny_dir):
+    """With --compile the batch keeps fixed shapes (rows padded to a power of two); texts do not change."""
+    from tierlm import CompileConfig
+
+    model = tierlm.load(tiny_dir, dtype="float32")
+    config = GenerationConfig(compile_config=CompileConfig(scope="layer"))
+    with serve(model, max_batch_size=4, generation_config=config) as s:
+        with httpx.Client(base_url=s.url, trust_env=False, timeout=300) as c, ThreadPoolExecutor(3) as pool:
+            bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in PROMPTS[:3]]
+            texts = list(pool.map(lambda b: complete(c, **b)["choices"][0]["text"], bodies))
+    assert sorted({key[1] for key in model._compiled}) and all(key[1] in (1, 2, 4) for key in model._compiled)
+    assert texts == [
+        tierlm.load(tiny_dir, dtype="float32").generate(p, max_new_tokens=8).texts[0] for p in PROMPTS[:3]
+    ]
+
+
+# --- log probabilities -----------------------------------------------------------------------------------------
+
+
+def test_echo_logprobs_equal_log_softmax_of_the_model_logits(http, tiny_dir):
+    ids = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11]
+    body = complete(http, prompt=ids, echo=True, logprobs=3, max_tokens=3, temperature=0)
+    lp = body["choices"][0]["logprobs"]
+    assert (
+        len(lp["tokens"]) == len(ids) + 3
+        and lp["token_logprobs"][0] is None
+        and lp["top_logprobs"][0] is None
+    )
+    model = tierlm.load(tiny_dir, dtype="float32")
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=3).token_ids[0]
+    full = torch.tensor([ids + generated])
+    reference = model(full).float().log_softmax(-1)[0]
+    expected = [reference[i, full[0, i + 1]].item() for i in range(full.shape[1] - 1)]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    tokens = [model.tokenizer.decode([t], skip_special_tokens=False) for t in full[0].tolist()]
+    assert lp["tokens"] == tokens
+    assert body["choices"][0]["text"].startswith(model.tokenizer.decode(ids, skip_special_tokens=False))
+    for position in range(1, full.shape[1]):  # tokens that decode alike share a key: compare the values
+        values = reference[position - 1].topk(3).values.tolist()
+        top = lp["top_logprobs"][position]
+        assert max(top.values()) == pytest.approx(values[0], abs=1e-4)
+        for value in top.values():
+            assert any(abs(value - v) <= 1e-4 for v in [*values, expected[position - 1]])
+
+
+def test_chat_top_logprobs_list_the_true_top_tokens_in_order(http, tiny_dir):
+    messages = [{"role": "user", "content": "Hello there"}]
+    response = http.post(
+        CHAT,
+        json={
+            "model": NAME,
+            "messages": messages,
+            "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "temperature": 0,
+        },
+    )
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    model = tierlm.load(tiny_dir, dtype="float32")
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    library = model.generate(torch.tensor([ids]), max_new_tokens=4, logprobs=5).logprobs[0]
+    assert len(content) == 4
+    for entry, ref in zip(content, library):
+        assert entry["logprob"] == pytest.approx(ref.logprob, abs=1e-4)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            [v for _, v in ref.top], abs=1e-4
+        )
+        names = [model.tokenizer.decode([t], skip_special_tokens=False) for t, _ in ref.top]
+        assert [t["token"] for t in entry["top_logprobs"]] == names
+        assert entry["top_logprobs"][0]["logprob"] == max(t["logprob"] for t in entry["top_logprobs"])
+
+
+# --- n, several prompts --------------------------------------------------------------------------------------
+
+
+def test_n_seeded_samples_are_distinct_and_reproducible(http):
+    fields = dict(prompt="The quick brown fox", max_tokens=10, temperature=1.0, seed=5, n=4)
+    first = [c["text"] for c in sorted(complete(http, **fields)["choices"], key=lambda c: c["index"])]
+    assert len(set(first)) == 4
+    again = [c["text"] for c in sorted(complete(http, **fields)["choices"], key=lambda c: c["index"])]
+    assert again == first
+    assert complete(http, **{**fields, "n": 1})["choices"][0]["text"] == first[0]
+
+
+def test_several_prompts_give_one_choice_each_in_order(http, tiny_dir):
+    model = tierlm.load(tiny_dir, dtype="float32")
+    for prompts in (["Hello", "The fox", "A tiny model writes"], [[5, 6, 7, 8], [9, 10], [11]]):
+        body = complete(http, prompt=prompts, max_tokens=5, temperature=0, n=2)
+        choices = body["choices"]
+        assert [c["index"] for c in choices] == list(range(6))
+        for i, prompt in enumerate(prompts):
+            solo = model.generate(prompt if isinstance(prompt, str) else [prompt], max_new_tokens=5).texts[0]
+            assert choices[2 * i]["text"] == choices[2 * i + 1]["text"] == solo
+        assert body["usage"]["completion_tokens"] == 30
+
+
+# --- bad values ------------------------------------------------------------------------------------------------
+
+GOOD_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+GOOD_TEXT = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+BAD = [
+    (CHAT, {"n": 0}, "n"),
+    (CHAT, {"n": 17}, "n"),
+    (COMPLETIONS, {"n": 1.5}, "n"),
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"frequency_penalty": "x"}, "frequency_penalty"),
+    (CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"top_k": -2}, "top_k"),
+    (COMPLETIONS, {"min_p": 1.0}, "min_p"),
+    (CHAT, {"logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"99999": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    (CHAT, {"logit_bias": [1, 2]}, "logit_bias"),
+    (COMPLETIONS, {"logprobs": 21}, "logprobs"),
+    (COMPLETIONS, {"logprobs": -1}, "logprobs"),
+    (COMPLETIONS, {"logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"echo": "yes"}, "echo"),
+    (CHAT, {"logprobs": 1}, "logprobs"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, "prompt[1]"),
+    (COMPLETIONS, {"prompt": [[5, 6], [7, 99999]]}, "prompt[1]"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", BAD, ids=[f"{p}:{f}" for p, f, _ in BAD])
+def test_bad_value_of_a_new_field_is_400_naming_it(http, path, fields, param):
+    base = GOOD_CHAT if path == CHAT else GOOD_TEXT
+    check_error(http.post(path, json={**base, **fields}), 400, param)

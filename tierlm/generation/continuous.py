@@ -1,0 +1,279 @@
+"""Continuous batching: sequences join and leave the rows of one static cache at every decode step.
+
+Each row keeps its own positions (its slots are its rotary positions, whoever else is in the batch) and
+its own sampling settings and RNG (`Sampler`), so a sequence's tokens do not depend on its neighbours:
+its prefill is the same computation as a solo run's, and its decode steps differ only in which masked
+slots the attention reads. Work comes in units, as `Generation.advance()`: a prefill chunk of the oldest
+joining sequence, or one decode step of every decoding row; the two alternate while both are due.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from tierlm.cache import bucket_length
+from tierlm.compile import CompileDecision, decide, warn_if_skipped
+from tierlm.generation.config import GenerationConfig
+from tierlm.generation.grammar import GrammarMask
+from tierlm.generation.loop import Sampler, TokenLogprob
+from tierlm.generation.run import PromptLogprobs, TextTracker
+from tierlm.generation.slots import RowsView, SlotCache, copy_rows
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the batch sees it: a prompt, its settings (n rows sample it), its stop strings."""
+
+    key: object
+    prompt: list[int]
+    config: GenerationConfig  # sampling, logprobs, prompt_logprobs, n; max_new_tokens is its limit
+    stops: tuple[str, ...] = ()
+    rows: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    prompt_lp: PromptLogprobs | None = None
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Row:
+    seq: Sequence
+    choice: int
+    tracker: TextTracker
+    position: int = 0  # the slot, and rotary position, of the token the row feeds next
+    tokens: int = 0
+    decoding: bool = False
+
+
+@dataclass
+class Update:
+    """What one unit of work produced for one sample of a sequence."""
+
+    key: object
+    choice: int
+    text: str
+    token: int | None
+    finished: bool
+    finish_reason: str | None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
+    tokens: int = 0  # the sample's tokens so far
+
+
+class SlotBatch:
+    """`slots` rows of a static cache that grows (by powers of two) to fit the longest sequence."""
+
+    def __init__(self, model, slots: int, config: GenerationConfig) -> None:
+        self.model, self.slots, self.config = model, slots, config
+        tok, cfg = model.tokenizer, model.config
+        self.eos_ids = config.eos_token_id or tuple(tok.eos_token_ids if tok else cfg.eos_token_ids)
+        self.device = model.device
+        eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.device)
+        self.sampler = Sampler(slots, cfg.vocab_size, eos, self.device)
+        self.sampler.grammar = GrammarMask(tok, slots, cfg.vocab_size, self.eos_ids)  # built on first use
+        self.rows: list[Row | None] = [None] * slots
+        self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
+        self.waiting: list[Sequence] = []  # joined, prefill not done yet (oldest first)
+        self.cache, self.length = None, 0
+        self.decision: CompileDecision | None = None
+        self._views: dict[int, tuple[SlotCache, object]] = {}
+        self._decode_next = False
+        self.stats: Counter[str] = Counter()
+
+    # --- membership ------------------------------------------------------------------------------
+
+    def free_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r is None]
+
+    @property
+    def busy(self) -> bool:
+        return any(r is not None for r in self.rows)
+
+    def fits(self, n: int) -> bool:
+        return len(self.free_rows()) >= n
+
+    def join(self, seq: Sequence) -> None:
+        """Give `seq` n free rows; its prefill runs in the next units of work."""
+        rows = self.free_rows()[: seq.config.n]
+        if len(rows) < seq.config.n:
+            raise ValueError(f"{seq.config.n} rows wanted, {len(rows)} free")
+        self._ensure_length(len(seq.prompt) + seq.config.max_new_tokens)
+        if self._decoding_rows():
+            self.stats["joined_running_batch"] += 1  # membership changed mid-run
+        tok = self.model.tokenizer
+        for choice, row in enumerate(rows):
+            self.rows[row] = Row(seq, choice, TextTracker(tok.stream_decoder(), seq.stops))
+            self.sampler.set_row(row, seq.config, seq.prompt, choice)
+            self.cache.valid[row] = False
+        seq.rows = rows
+        if seq.config.prompt_logprobs is not None:
+            ids = torch.tensor([seq.prompt], device=self.device)
+            seq.prompt_lp = PromptLogprobs(
+                ids, torch.ones_like(ids, dtype=torch.bool), seq.config.prompt_logprobs
+            )
+        self.waiting.append(seq)
+        self.stats["rows_max"] = max(self.stats["rows_max"], self.slots - len(self.free_rows()))
+
+    def cancel(self, key: object) -> None:
+        """End the sequence `key` at its next unit of work."""
+        for r in self.rows:
+            if r is not None and r.seq.key == key:
+                r.seq.cancelled = True
+
+    def _leave(self, row: int) -> None:
+        self.rows[row] = None
+        if self._decoding_rows():
+            self.stats["left_running_batch"] += 1
+
+    def _decoding_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r is not None and r.decoding]
+
+    def _ensure_length(self, needed: int) -> None:
+        """A cache of at least needed + 1 slots (the last is the decode steps' scratch column)."""
+        if needed + 1 <= self.length:
+            return
+        length = bucket_length(needed + 1, self.model.config.max_position_embeddings + 1)
+        cache = self.model.static_cache(self.slots, length)
+        self.model.decoder.ensure_rope(length, self.device)
+        if self.cache is not None:  # rows in flight keep what they wrote
+            old = self.cache
+            for new, kept in zip((*cache.keys, *cache.values), (*old.keys, *old.values)):
+                new[:, :, : self.length] = kept
+            cache.valid[:, : self.length] = old.valid
+        self.cache, self.length = cache, length
+        self._views.clear()
+        self.decision = decide(
+            self.model.device_map,
+            SlotCache(cache, self.slots),
+            self.config,
+            uncompilable=self.model.uncompilable_reasons(),
+            device=str(self.device),
+        )
+        warn_if_skipped(self.decision, self.config)
+
+    # --- work --------------------------------------------------------------------------------------
+
+    def advance(self) -> list[Update]:
+        """One unit of work: a prefill chunk or a decode step, alternating while both are due."""
+        with torch.inference_mode():
+            decoding = bool(self._decoding_rows())
+            if self.waiting and not (decoding and self._decode_next):
+                self._decode_next = True
+                return self._prefill_chunk()
+            self._decode_next = False
+            return self._decode() if decoding else []
+
+    def _prefill_chunk(self) -> list[Update]:
+        seq = self.waiting[0]
+        if seq.cancelled:
+            self.waiting.pop(0)
+            return [self._finish(row, "cancelled") for row in seq.rows]
+        row, width = seq.rows[0], len(seq.prompt)
+        chunk = seq.config.prefill_chunk or width
+        start, end = seq.prefilled, min(seq.prefilled + chunk, width)
+        view = RowsView(self.cache, slice(row, row + 1))
+        view.limit = end  # read only the slots written so far, as a solo prefill does
+        ids = torch.tensor([seq.prompt[start:end]], device=self.device)
+        slots = torch.arange(start, end, device=self.device)
+        logits = self.model.decoder(
+            ids,
+            attention_mask=torch.ones_like(ids, dtype=torch.bool),
+            positions=slots[None],
+            cache=view,
+            slots=slots,
+            last_only=seq.prompt_lp is None,
+        )
+        if seq.prompt_lp is not None:
+            seq.prompt_lp.add(logits, start)
+        seq.prefilled = end
+        self.stats["prefill_chunks"] += 1
+        if end < width:
+            return []
+        self.waiting.pop(0)
+        copy_rows(self.cache, row, seq.rows[1:], width)  # n samples share one prefill
+        last = logits[:, -1].float().expand(len(seq.rows), -1)
+        tokens = self.sampler(last, seq.rows)
+        logprobs = self.sampler.logprobs(last, tokens, seq.rows)
+        prompt_lp = seq.prompt_lp.rows([seq.config.prompt_logprobs])[0] if seq.prompt_lp else None
+        index = torch.tensor(seq.rows, device=self.device)
+        self.tokens[index, 0] = tokens
+        self.positions[index, 0] = width
+        updates = []
+        for i, (r, token) in enumerate(zip(seq.rows, tokens.tolist())):
+            self.rows[r].position, self.rows[r].decoding = width, True
+            updates.append(self._emit(r, token, logprobs[i], prompt_lp))
+        return updates
+
+    def _decode(self) -> list[Update]:
+        high = max(i for i, r in enumerate(self.rows) if r is not None) + 1
+        size = (1 << (high - 1).bit_length()) if self.decision.compile else high  # compiled: fixed shapes
+        size = min(size, self.slots)
+        cache, step = self._view(size)
+        rows = self.rows[:size]
+        decoding = [i for i, r in enumerate(rows) if r is not None and r.decoding]
+        active = torch.zeros(size, dtype=torch.bool)
+        active[decoding] = True
+        active = active.to(self.device)
+        cache.row_slots.copy_(torch.where(active[:, None], self.positions[:size], self.length - 1))
+        if self.decision.compile:
+            scratch = self.length - 1
+        else:  # past every slot written: decoding rows' positions and prefilling rows' prompt so far
+            scratch = max(r.position if r.decoding else r.seq.prefilled for r in rows if r is not None)
+        logits = step(
+            self.tokens[:size],
+            self.positions[:size],
+            torch.tensor([scratch], device=self.device),
+            scratch + 1,
+        )
+        cache.commit(active)
+        index = torch.tensor(decoding, device=self.device)
+        logits = logits[index]
+        tokens = self.sampler(logits, decoding)
+        logprobs = self.sampler.logprobs(logits, tokens, decoding)
+        self.tokens[index, 0] = tokens
+        self.positions[index] += 1
+        self.stats["decode_steps"] += 1
+        updates = []
+        for i, (r, token) in enumerate(zip(decoding, tokens.tolist())):
+            self.rows[r].position += 1
+            updates.append(self._emit(r, token, logprobs[i]))
+        return updates
+
+    def _view(self, size: int):
+        """The SlotCache over the first `size` rows and its decode step (compiled if decide() said so)."""
+        if size not in self._views:
+            cache = SlotCache(self.cache, size)
+            if self.decision.compile:
+                step = self.model.compiled_step(cache, self.config.compile_config)
+            else:
+                step = self.model.eager_step(cache)
+            self._views[size] = (cache, step)
+        return self._views[size]
+
+    def _emit(self, row: int, token: int, logprob, prompt_lp=None) -> Update:
+        r = self.rows[row]
+        r.tokens += 1
+        r.tracker.push(token)
+        reason = None
+        if r.tracker.stopped_at is not None or token in self.eos_ids or self.sampler.complete(row):
+            reason = "stop"
+        elif r.seq.cancelled:
+            reason = "cancelled"
+        elif r.tokens >= r.seq.config.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            r.tracker.finish()
+        text = r.tracker.delta(reason is not None)
+        if reason is not None:
+            self._leave(row)
+        return Update(
+            r.seq.key, r.choice, text, token, reason is not None, reason, logprob, prompt_lp, r.tokens
+        )
+
+    def _finish(self, row: int, reason: str) -> Update:
+        r = self.rows[row]
+        self._leave(row)
+        return Update(r.seq.key, r.choice, "", None, True, reason, tokens=r.tokens)

@@ -1,0 +1,92 @@
+"""The continuous-batching worker: requests join the running batch at any decode step and leave it when done."""
+
+from __future__ import annotations
+
+from tierlm.generation.continuous import Sequence, SlotBatch, Update
+from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler
+
+
+class ContinuousScheduler(Scheduler):
+    """A Scheduler whose worker keeps one batch of `max_batch_size` rows (padded to a power of two when the
+    decode step compiles): a queued request takes free rows at once, its prefill runs in chunks between
+    the decode steps of the rows already running, and each row leaves as soon as it finishes."""
+
+    batching = "continuous"
+
+    def _work(self) -> None:
+        batch = self._new_batch()
+        while batch.busy or self._wait_for_pending():
+            self._join(batch)
+            if not batch.busy:
+                continue
+            try:
+                updates = batch.advance()
+            except Exception as err:  # a failed step must not take the worker down
+                self._fail(self._running, err)
+                self._release(list(self._running))
+                batch = self._new_batch()
+                continue
+            self._dispatch(updates)
+            self._cancel_leavers(batch)
+            self._record_stats(batch)
+
+    def _new_batch(self) -> SlotBatch:
+        return SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
+
+    def _join(self, batch: SlotBatch) -> None:
+        """Move queued requests into free rows, oldest first, while their n choices fit."""
+        with self._cond:
+            self._fail_pending_past_deadline()
+            while self._pending and batch.fits(self._pending[0].n):
+                r = self._pending.pop(0)
+                try:
+                    batch.join(Sequence(r, r.prompt_ids, r.config, r.stops))
+                except Exception as err:
+                    self._fail([r], err)
+                    continue
+                self._running.append(r)
+                self._stats["batches"] += 1 if not self._running[:-1] else 0
+                self._stats["max_batch_size_seen"] = max(
+                    self._stats["max_batch_size_seen"], sum(q.n for q in self._running)
+                )
+
+    def _dispatch(self, updates: list[Update]) -> None:
+        for u in updates:
+            r: Request = u.key
+            r.tokens += u.token is not None
+            logprobs = (u.logprob,) if u.logprob is not None else ()
+            if u.text or logprobs or u.prompt_logprobs:
+                r.emit(
+                    Event(
+                        "delta",
+                        u.text,
+                        index=r.index + u.choice,
+                        logprobs=logprobs,
+                        prompt_logprobs=u.prompt_logprobs,
+                    )
+                )
+            if u.finished:
+                self._record_finish(u.finish_reason, u.tokens)
+                done = Event(
+                    "done",
+                    finish_reason=u.finish_reason,
+                    completion_tokens=u.tokens,
+                    index=r.index + u.choice,
+                )
+                r.emit(done)
+                if r.ended:
+                    self._release([r])
+
+    def _cancel_leavers(self, batch: SlotBatch) -> None:
+        """Requests whose client left, or still running at the shutdown deadline, end at their next step."""
+        late = self._past_deadline()
+        for r in list(self._running):
+            if r.cancelled or late:
+                if late and not r.cancelled:
+                    r.emit(Event("error", text=SHUTDOWN_MESSAGE))
+                batch.cancel(r)
+
+    def _record_stats(self, batch: SlotBatch) -> None:
+        with self._cond:
+            for key in ("joined_running_batch", "left_running_batch", "decode_steps", "prefill_chunks"):
+                self._stats[key] = batch.stats[key]
