@@ -294,3 +294,25 @@ def test_key_changes_with_dtype_and_quantization(tiny, model):
     assert len({aot.digest(k) for k in keys.values()}) == len(keys)
     assert keys["int4-g32"]["quantization"] == "int4-g32" and keys["int8"]["quantization"] == "int8"
     assert keys["bfloat16"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (
+            ["--batch-sizes", "1,x"],
+            "--batch-sizes must be comma-separated integers such as 1,2,4,8, got '1,x'",
+        ),
+        (
+            ["--device-map", '{"": "cpu", "model.layers.1": "disk"}'],
+            "tierlm compile builds the whole step of a model resident on the CPU; this one runs on cpu "
+            "with offloaded weights",
+        ),
+    ],
+)
+def test_compile_command_errors_are_one_line(tiny, tmp_path, args, error):
+    proc = tierlm_cli("compile", "--model", str(tiny), "--dtype", "float32", *args, env=cli_env(tmp_path))
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1] == f"tierlm: error: {error}"
+    assert not (tmp_path / "aot").exists() or not any((tmp_path / "aot").iterdir())  # nothing built
