@@ -136,7 +136,8 @@ class TierlmReplica:
         logger.info("replica %s serving (pid %d)", self.name, os.getpid())
 
     async def handle_http(self, request: dict):
-        """Run one request through the app: yields {"status", "headers"} first, then the body's chunks."""
+        """Run one request through the app: yields {"status", "headers", "body", "more"} (the response's start
+        with its first body message: a JSON answer is one item), then the rest of the body chunk by chunk."""
         body, sent = request.pop("body"), False
         disconnected = asyncio.Event()
         messages: asyncio.Queue = asyncio.Queue()
@@ -162,15 +163,20 @@ class TierlmReplica:
         }
         task = asyncio.create_task(self.app(scope, receive, messages.put))
         task.add_done_callback(lambda _t: messages.put_nowait(None))
+        head = None
         try:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
-                    yield {"status": message["status"], "headers": headers}
+                    head = {"status": message["status"], "headers": headers}
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
+                    more = bool(message.get("more_body"))
+                    if head is not None:
+                        yield {**head, "body": message.get("body", b""), "more": more}
+                        head = None
+                    elif message.get("body"):
                         yield message["body"]
-                    if not message.get("more_body"):
+                    if not more:
                         break
         finally:
             disconnected.set()  # a client that went away (the router cancelled us) cancels its generation
@@ -189,9 +195,8 @@ class TierlmReplica:
         status, chunks = 500, []
         async for item in self.handle_http(request):
             if isinstance(item, dict):
-                status = item["status"]
-            else:
-                chunks.append(item)
+                status, item = item["status"], item["body"]
+            chunks.append(item)
         return status, json.loads(b"".join(chunks) or b"{}")
 
     async def replica_health(self) -> dict:
@@ -311,9 +316,11 @@ class TierlmRouter:
                 k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                 for k, v in head["headers"]
             )
+            await send({"type": "http.response.body", "body": head["body"], "more_body": head["more"]})
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if head["more"]:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except self.unavailable as err:
             self.counts["replica_failures"] += 1
             message = f"the replica serving this request stopped ({type(err).__name__}); retry the request"
@@ -436,7 +443,14 @@ def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int 
     """Check placement, then deploy and wait until every replica has loaded; return the URL."""
     ray, serve = import_ray()
     check_resources(cluster_nodes(ray), replicas, spec.cpus, spec.gpus)
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except Exception as err:  # e.g. the port is taken: Ray's error is a remote traceback; say its cause
+        cause = getattr(err, "cause", None) or err
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        raise RuntimeError(
+            f"Ray Serve's HTTP proxy did not start: {lines[-1] if lines else cause!r}"
+        ) from None
     target = serve.RunTarget(target=application(replicas, spec), name=APP_NAME, route_prefix="/")
     serve.run_many([target], wait_for_applications_running=False)
     _wait_running(serve)
@@ -444,20 +458,24 @@ def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int 
 
 
 def _wait_running(serve) -> None:
-    """Until the application runs; a one-line error when it failed, or when Ray Serve reports replicas it could
-    not schedule (resources in use elsewhere on the cluster: after RAY_SERVE_SLOW_STARTUP_WARNING_S, 30 s)."""
+    """Until the application runs; a one-line error when it failed (a replica's constructor raised). Replicas
+    Ray Serve has not scheduled after 30 s (resources the pre-check counted are in use elsewhere, or workers
+    slow to start) are said once on stderr, with Ray's reason, and waited for."""
+    said = False
     while True:
         app = serve.status().applications.get(APP_NAME)
         status = str(getattr(app, "status", ""))
         if status.endswith("RUNNING"):
             return
         messages = [d.message for d in app.deployments.values()] + [app.message] if app else []
-        unscheduled = next((m for m in messages if "to be scheduled" in (m or "")), None)
-        if unscheduled or status.endswith("DEPLOY_FAILED"):
-            detail = unscheduled or next((m for m in messages if m), status)
+        if status.endswith("DEPLOY_FAILED"):
+            detail = next((m for m in messages if m), status)
             lines = [line.strip() for line in detail.splitlines() if line.strip()]
-            what = "cannot be placed" if unscheduled else "failed to start"
-            raise RuntimeError(f"the replicas {what}: {lines[-1] if lines else status}")
+            raise RuntimeError(f"the replicas failed to start: {lines[-1] if lines else status}")
+        unscheduled = next((m for m in messages if "to be scheduled" in (m or "")), None)
+        if unscheduled and not said:
+            logger.warning("still waiting for the replicas: %s", unscheduled.strip().splitlines()[0])
+            said = True
         time.sleep(0.5)
 
 
