@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 import tierlm
+from tierlm import CompileConfig
 from tierlm.cache import RingLayerView, StaticCache
 from tierlm.config import FULL, SLIDING
 from tierlm.placement.placer import kv_bytes_per_token
@@ -170,3 +173,54 @@ def test_kv_bytes_reflect_the_window(models):
     assert cfg.kv_slots(4096) == 2 * 4096 + 4 * 4  # 2 full layers, 4 sliding ones of window 4
     assert kv_bytes_per_token(cfg, torch.float32, 4096) * 4096 == per_layer * cfg.kv_slots(4096)
     assert kv_bytes_per_token(cfg, torch.float32, 2) == per_layer * cfg.num_layers
+
+
+HALF_ON_DISK = {"": "cpu", **{f"model.layers.{i}": "disk" for i in (3, 4, 5)}, "model.norm": "disk"}
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_half_the_layers_on_disk_give_the_same_tokens(checkpoints, models, cache, tmp_path):
+    """Half the layers (sliding and full ones) on disk: the resident model's tokens; the compile decision
+    explains what streams and does not compile the whole step."""
+    rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([9, 4], seed=4))]
+    new = 12
+    resident = models["untied"].generate(
+        rows, max_new_tokens=new, do_sample=False, cache_implementation=cache
+    )
+    model = tierlm.load(
+        checkpoints["untied"], dtype="float32", device_map=HALF_ON_DISK, offload_folder=tmp_path
+    )
+    assert model.placement.offloaded["disk"] == [
+        "model.layers.3",
+        "model.layers.4",
+        "model.layers.5",
+        "model.norm",
+    ]
+    got = model.generate(
+        rows, max_new_tokens=new, do_sample=False, cache_implementation=cache, compile_config=CompileConfig()
+    )
+    assert got.token_ids == resident.token_ids
+    explained = got.stats.compile.explain()  # the whole step never compiles while weights stream
+    assert "compile: yes" not in explained
+    assert (
+        "model.layers.3-5, model.norm" if cache == "static" else "'dynamic' is not compilable"
+    ) in explained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_resident_model_compiles_with_the_ring_cache(models, scope):
+    """The compile decision compiles the resident model (a ring buffer is a static cache), and the compiled
+    step decodes 3x the window with the eager tokens; layer scope runs two bodies (ring and full views)."""
+    model = models["tied"]
+    rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([8, 3], seed=5))]
+    new = 3 * model.config.sliding_window
+    eager = model.generate(rows, max_new_tokens=new, do_sample=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = model.generate(
+        rows, max_new_tokens=new, do_sample=False, compile_config=CompileConfig(scope=scope)
+    )
+    assert compiled.stats.compile.compile
+    assert compiled.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == (2 if scope == "layer" else 1)
