@@ -1,9 +1,14 @@
-"""Serving throughput of tierlm's OpenAI-compatible server vs llama.cpp's (llama-cpp-python[server]) on the
-default model: 1, 4 and 16 concurrent clients, each streaming one chat completion of 64 new tokens (greedy).
+"""Serving under load: tierlm's OpenAI-compatible server with continuous batching vs its static batching
+(`--batching static`, the previous worker) vs llama.cpp's (llama-cpp-python[server]) on the default model.
 
-Reported per server and client count (medians over the runs): total generated tokens/s (all clients'
-completion tokens / wall time of the round) and the median time to first token. Each server runs in its own
-process on loopback; the clients share one asyncio loop here. Run: python benchmarks/serve.py [--help]
+1, 4, 16 and 32 clients each stream one greedy chat completion of 64-256 new tokens (drawn per client), their
+arrivals staggered as a Poisson process (`--rate` requests/s; the same seeded draw for every server).
+Reported per server and client count (medians over the runs): generated tokens/s (all clients' completion
+tokens / wall time of the round), the median and 99th-percentile time to first token, and the median
+inter-token latency (gap between streamed chunks). Each server runs in its own process on loopback; the
+clients share one asyncio loop here. llama-cpp-python's server has no parallel slots: it serves one request
+at a time (started with --interrupt_requests False, so a new request queues instead of cutting the running
+one off). Run: python benchmarks/serve.py [--help]
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -38,8 +44,11 @@ TIERLM_SCRIPT = """
 import sys, tierlm
 from tierlm.server import run_server
 path, dtype, port, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+batching = sys.argv[5] if len(sys.argv) > 5 else "continuous"
 model = tierlm.load(path, dtype=dtype)
-run_server(model, "127.0.0.1", port, model_name="bench", max_batch_size=batch, log_level="warning")
+run_server(
+    model, "127.0.0.1", port, model_name="bench", max_batch_size=batch, log_level="warning", batching=batching
+)
 """
 
 
@@ -47,6 +56,7 @@ run_server(model, "127.0.0.1", port, model_name="bench", max_batch_size=batch, l
 class Round:
     tokens_per_s: float
     ttft_s: list[float]
+    gaps_s: list[float]  # between streamed chunks, every request's
 
 
 @dataclass
@@ -92,7 +102,7 @@ def start(name: str, argv: list[str], port: int) -> Server:
     return Server(name, url, wait_ready(name, url, process), process)
 
 
-def start_tierlm(model_file: Path, args) -> Server:
+def start_tierlm(model_file: Path, args, batching: str = "continuous") -> Server:
     port = free_port()
     argv = [
         sys.executable,
@@ -102,8 +112,10 @@ def start_tierlm(model_file: Path, args) -> Server:
         args.dtype,
         str(port),
         str(args.max_batch_size),
+        batching,
     ]
-    return start("tierlm", argv, port)
+    server = start(f"tierlm {batching}", argv, port)
+    return server
 
 
 def start_llama(model_file: Path) -> Server | None:
@@ -114,12 +126,19 @@ def start_llama(model_file: Path) -> Server | None:
         return None
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_file)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"]
-    return start("llama.cpp", argv, port)
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--interrupt_requests", "False"]
+    try:
+        return start("llama.cpp", argv, port)
+    except SystemExit as e:  # a peer that does not start is reported, not fatal
+        print(f"llama.cpp: {e}; no numbers for it", file=sys.stderr)
+        return None
 
 
-async def one_request(client: httpx.AsyncClient, server: Server, question: str, max_tokens: int):
-    """(time to first token, completion tokens) of one streamed chat completion."""
+async def one_request(
+    client: httpx.AsyncClient, server: Server, question: str, max_tokens: int, delay: float
+):
+    """(time to first token, completion tokens, chunk gaps) of one streamed chat completion sent after `delay`."""
+    await asyncio.sleep(delay)
     body = {
         "model": server.model,
         "messages": [{"role": "user", "content": question}],
@@ -128,7 +147,7 @@ async def one_request(client: httpx.AsyncClient, server: Server, question: str, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start, first, chunks, usage = time.perf_counter(), None, 0, None
+    start, times, usage = time.perf_counter(), [], None
     async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -137,35 +156,59 @@ async def one_request(client: httpx.AsyncClient, server: Server, question: str, 
             data = json.loads(line.removeprefix("data: "))
             usage = data.get("usage") or usage
             if data.get("choices") and data["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter()
-                chunks += 1
-    tokens = usage["completion_tokens"] if usage else chunks  # a server without usage: one chunk per token
-    return (first or time.perf_counter()) - start, tokens
+                times.append(time.perf_counter())
+    tokens = (
+        usage["completion_tokens"] if usage else len(times)
+    )  # a server without usage: one chunk per token
+    first = times[0] if times else time.perf_counter()
+    return first - start, tokens, [b - a for a, b in zip(times, times[1:])]
 
 
-async def one_round(server: Server, clients: int, max_tokens: int) -> Round:
+def arrivals(clients: int, rate: float, seed: int, low: int, high: int) -> list[tuple[float, int]]:
+    """Per client: when it sends (a Poisson process of `rate` requests/s) and how many tokens it asks for."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(clients):
+        out.append((t, rng.randint(low, high)))
+        t += rng.expovariate(rate)
+    return out
+
+
+async def one_round(server: Server, clients: int, args) -> Round:
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(trust_env=False, timeout=600, limits=limits) as client:
+    plan = arrivals(clients, args.rate, args.seed, args.min_tokens, args.max_tokens)
+    async with httpx.AsyncClient(trust_env=False, timeout=1800, limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(one_request(client, server, QUESTIONS[i % len(QUESTIONS)], max_tokens) for i in range(clients))
+            *(
+                one_request(client, server, QUESTIONS[i % len(QUESTIONS)], n, delay)
+                for i, (delay, n) in enumerate(plan)
+            )
         )
         wall = time.perf_counter() - start
-    return Round(sum(t for _, t in results) / wall, [ttft for ttft, _ in results])
+    gaps = [g for _, _, request_gaps in results for g in request_gaps]
+    return Round(sum(t for _, t, _ in results) / wall, [ttft for ttft, _, _ in results], gaps)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def bench(server: Server, args) -> dict[int, dict]:
     out = {}
     for clients in args.clients:
         status(f"  {server.name}: {clients} clients, warm-up")
-        asyncio.run(one_round(server, clients, args.max_tokens))
+        asyncio.run(one_round(server, clients, args))
         rounds = []
         for run in range(args.runs):
             status(f"  {server.name}: {clients} clients, run {run + 1}/{args.runs}")
-            rounds.append(asyncio.run(one_round(server, clients, args.max_tokens)))
+            rounds.append(asyncio.run(one_round(server, clients, args)))
         out[clients] = {
             "tokens_per_s": median([r.tokens_per_s for r in rounds]),
             "ttft_ms": 1000 * median([median(r.ttft_s) for r in rounds]),
+            "ttft_p99_ms": 1000 * median([percentile(r.ttft_s, 0.99) for r in rounds]),
+            "itl_ms": 1000 * median([median(r.gaps_s) if r.gaps_s else 0.0 for r in rounds]),
         }
     return out
 
@@ -174,8 +217,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="GGUF or HF folder (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto", help="tierlm's dtype (default: auto)")
-    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])
+    p.add_argument("--min-tokens", type=int, default=64, help="fewest new tokens a client asks for (64)")
+    p.add_argument("--max-tokens", type=int, default=256, help="most new tokens a client asks for (256)")
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and lengths (default: 0)")
+    p.add_argument(
+        "--servers",
+        type=lambda s: s.split(","),
+        default=["continuous", "static", "llama.cpp"],
+        help="which of continuous, static, llama.cpp to run (default: all three)",
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-batch-size", type=int, default=16, help="tierlm's batch limit (default: 16)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -195,16 +247,17 @@ def main() -> None:
 
         return serve_ray.main(args, model_file)
     results: dict[str, dict[int, dict]] = {}
-    batch_sizes: dict[str, int] = {}
-    for starter in (lambda: start_tierlm(model_file, args), lambda: start_llama(model_file)):
-        server = starter()
+    starters = {
+        "continuous": lambda: start_tierlm(model_file, args, "continuous"),
+        "static": lambda: start_tierlm(model_file, args, "static"),
+        "llama.cpp": lambda: start_llama(model_file),
+    }
+    for name in args.servers:
+        server = starters[name]()
         if server is None:
             continue
         try:
             results[server.name] = bench(server, args)
-            if server.name == "tierlm":
-                stats = httpx.get(f"{server.url}/stats", trust_env=False).json()
-                batch_sizes = stats["batch_sizes"]
         except httpx.HTTPError as e:  # a peer that breaks under load is reported, not fatal
             print(
                 f"{server.name}: failed under load ({type(e).__name__}: {e}); no numbers for it",
@@ -212,27 +265,34 @@ def main() -> None:
             )
         finally:
             server.stop()
-    base = results["tierlm"]
+    report(results, model_file, args)
+
+
+def report(results: dict[str, dict[int, dict]], model_file: Path, args) -> None:
+    base = results.get("tierlm static")
     rows = []
     for clients in args.clients:
-        row = [str(clients)]
         for name, res in results.items():
             r = res[clients]
-            row += [fmt(r["tokens_per_s"]), fmt(r["ttft_ms"], 0)]
-            if name != "tierlm":
-                row.append(f"{base[clients]['tokens_per_s'] / r['tokens_per_s']:.2f}x")
-        rows.append(row)
-    headers = ["clients"]
-    for name in results:
-        headers += [f"{name} tok/s", f"{name} TTFT ms"] + (["tierlm/llama tok/s"] if name != "tierlm" else [])
-    title = f"{model_file.name}, {args.max_tokens} new tokens per client, median of {args.runs} runs"
+            row = [str(clients), name, fmt(r["tokens_per_s"]), fmt(r["ttft_ms"], 0), fmt(r["ttft_p99_ms"], 0)]
+            row.append(fmt(r["itl_ms"], 1))
+            if base is not None:
+                b = base[clients]
+                row += [
+                    f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x",
+                    f"{r['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x",
+                ]
+            rows.append(row)
+    headers = ["clients", "server", "tok/s", "TTFT ms", "p99 TTFT ms", "ITL ms"]
+    if base is not None:
+        headers += ["tok/s vs static", "p99 TTFT vs static"]
+    title = (
+        f"{model_file.name}, {args.min_tokens}-{args.max_tokens} new tokens per client, Poisson arrivals "
+        f"at {args.rate}/s (seed {args.seed}), median of {args.runs} runs"
+    )
     print_table(headers, rows, title)
-    print(f"tierlm batch sizes seen (size: batches, warm-ups included): {batch_sizes}")
     if args.json:
-        write_json(
-            args.json,
-            {"model": str(model_file), "args": vars(args), "results": results, "batch_sizes": batch_sizes},
-        )
+        write_json(args.json, {"model": str(model_file), "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
