@@ -82,6 +82,12 @@ def describe_plan(path=None, **kwargs) -> str:
         tier = _tier(placement, module)
         totals[tier] = totals.get(tier, 0) + size
     lines += ["", "totals: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in totals.items())]
+    per_4k = kv_bytes_per_token(cfg, dtype, 4096) * 4096
+    window = f" (sliding layers keep {cfg.sliding_window} tokens)" if cfg.sliding_layers else ""
+    lines.append(
+        f"kv cache per sequence: {format_bytes(kv_bytes_per_token(cfg, dtype, 1))} per token, "
+        f"{format_bytes(per_4k)} per 4k tokens{window}"
+    )
     streamed = {t: sum(module_bytes[m] for m in placement.offloaded[t]) for t in ("cpu", "disk")}
     lines.append(
         "streamed per token: "
