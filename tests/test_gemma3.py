@@ -224,3 +224,13 @@ def test_resident_model_compiles_with_the_ring_cache(models, scope):
     assert compiled.stats.compile.compile
     assert compiled.token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] == (2 if scope == "layer" else 1)
+
+
+def test_plan_shows_the_window_in_kv_bytes(checkpoints):
+    from tierlm.plan import describe_plan
+
+    text = describe_plan(checkpoints["untied"], dtype="float32")
+    # 6 layers x 2 x 2 kv heads x 16 x 4 bytes = 1536 B a token; over 4096 tokens the 2 full layers hold
+    # them all, the 4 sliding ones 4 each: 512 B x (2 x 4096 + 4 x 4) = 2.1 MB
+    assert "kv cache per sequence: 1.5 KB per token, 2.1 MB per 4k tokens" in text
+    assert "(sliding layers keep 4 tokens)" in text
