@@ -57,7 +57,10 @@ def test_generate_explain_prints_the_compile_decision():
         "Hello",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "compile: no (model.layers.29 is offloaded to disk)" in proc.stderr
+    assert (  # --compile under offload compiles the layer body, and says what streams around it
+        "compile: layer body on cpu (30 layers; model.layers.29 streams from disk); whole step: no "
+        "(model.layers.29 is offloaded to disk; scope 'model' fell back to 'layer')" in proc.stderr
+    )
     assert f"tierlm: cpu: {cpu.detect().describe()}" in proc.stderr  # what was detected and selected
 
 
@@ -106,7 +109,8 @@ def test_plan_shows_tiers_streaming_and_decision():
     out = proc.stdout
     assert "model.layers.0-" in out and "disk" in out
     assert "streamed per token:" in out and "from disk" in out
-    assert "compile: no (" in out and "offloaded to disk" in out
+    assert "compile: layer body on cpu (30 layers; model.layers." in out and "stream from disk" in out
+    assert "whole step: no (" in out and "offloaded to disk" in out
     assert f"cpu: {cpu.detect().describe()}" in out
 
 

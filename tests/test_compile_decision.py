@@ -98,18 +98,18 @@ def test_every_failing_condition_adds_its_reason():
 
 
 def test_skip_warning_is_emitted_once_per_cause():
-    config = STATIC.replace(compile_config=CompileConfig())
-    cause = decide({"": "cpu", "model.layers.3": "disk"}, "static", config)
+    config = STATIC.replace(compile_config=CompileConfig(), cache_implementation="dynamic")
+    cause = decide({"": "cpu"}, "dynamic", config)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
             warn_if_skipped(cause, config)
-        other = decide({"": "cpu", "model.layers.4": "disk"}, "static", config)
+        other = decide({"": "cpu"}, "static", config, uncompilable=("int4 weights",))
         warn_if_skipped(other, config)
     skipped = [w for w in seen if issubclass(w.category, CompileSkippedWarning)]
     assert [str(w.message).split(": ", 1)[1] for w in skipped] == [
-        "model.layers.3 is offloaded to disk",
-        "model.layers.4 is offloaded to disk",
+        "cache 'dynamic' is not compilable; use cache_implementation='static'",
+        "int4 weights",
     ]
 
 
@@ -117,16 +117,94 @@ def test_a_cause_already_reported_is_not_repeated_next_to_a_new_one():
     config = STATIC.replace(compile_config=CompileConfig())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        warn_if_skipped(decide({"": "cpu", "model.layers.5": "disk"}, "static", config), config)
-        both = decide({"": "cpu", "model.layers.5": "disk"}, "dynamic", config)
-        warn_if_skipped(both, config)  # the disk cause was said; only the cache is new
+        warn_if_skipped(decide({"": "cpu"}, "dynamic", config), config)
+        both = decide({"": "cpu"}, "dynamic", config, uncompilable=("int4 weights",))
+        warn_if_skipped(both, config)  # the cache cause was said; only the new one is
     skipped = [
         str(w.message).split(": ", 1)[1] for w in seen if issubclass(w.category, CompileSkippedWarning)
     ]
-    assert skipped == [
-        "model.layers.5 is offloaded to disk",
-        "cache 'dynamic' is not compilable; use cache_implementation='static'",
+    assert skipped == ["cache 'dynamic' is not compilable; use cache_implementation='static'", "int4 weights"]
+
+
+# --- under offload: the rows of the decision ---------------------------------------------------------------
+
+HALF = {"": "cpu", **{f"model.layers.{i}": "disk" for i in range(9, 30)}}
+LAYER = STATIC.replace(compile_config=CompileConfig(scope="layer"))
+
+
+def test_offload_without_compile_config_is_eager_and_silent_on_every_device():
+    for placement, device in ((HALF, "cpu"), (normalized(SEED_MAP), "cuda:0")):
+        d = decide(placement, "static", STATIC, device=device, layers=30)
+        assert not d.compile and any("offloaded" in r for r in d.reasons)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_if_skipped(d, STATIC)
+
+
+def test_offload_with_layer_scope_compiles_the_layer_body():
+    d = decide(HALF, "static", LAYER, layers=30)
+    assert d.compile and d.scope == "layer" and d.reasons == ()
+    assert d.config == CompileConfig(scope="layer")
+    assert d.explain() == (
+        "compile: layer body on cpu (30 layers; model.layers.9-29 stream from disk); whole step: no "
+        "(offloaded); eager: embedding, final norm, LM head, fetch/release"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_skipped(d, LAYER)  # what was asked is what happens
+
+
+def test_offload_with_model_scope_warns_once_and_compiles_the_layer_body():
+    config = STATIC.replace(compile_config=CompileConfig())
+    d = decide({**HALF, "model.norm": "cpu", "lm_head": "disk"}, "static", config, layers=30)
+    assert d.compile and d.scope == "layer" and d.config == CompileConfig(scope="layer")
+    assert d.explain().startswith(
+        "compile: layer body on cpu (30 layers; model.layers.9-29, lm_head stream from disk); whole step: no "
+        "(model.layers.9-29, lm_head are offloaded to disk; scope 'model' fell back to 'layer')"
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            warn_if_skipped(d, config)
+    assert [str(w.message) for w in seen if issubclass(w.category, CompileSkippedWarning)] == [
+        "compile_config has scope 'model', but the whole decode step cannot be compiled while weights stream "
+        "(model.layers.9-29, lm_head are offloaded to disk); compiling the layer body instead, as "
+        "CompileConfig(scope='layer') does under offload without this warning"
     ]
+
+
+def test_offload_with_disable_compile_is_eager_and_silent():
+    d = decide(normalized(SEED_MAP), "static", STATIC.replace(disable_compile=True))
+    assert not d.compile and d.reasons[0] == "disable_compile=True"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_skipped(d, STATIC.replace(disable_compile=True))
+
+
+def test_streamed_weights_are_never_frozen_nor_captured_in_cuda_graphs():
+    frozen = STATIC.replace(compile_config=CompileConfig(freezing=True))
+    d = decide(HALF, "static", frozen)
+    assert d.config.scope == "layer" and d.config.compile_kwargs("cpu")["options"]["freezing"] is False
+    on_gpu = decide(normalized(SEED_MAP), "static", STATIC.replace(compile_config=CompileConfig()))
+    assert on_gpu.compile and on_gpu.device == "cuda:0" and on_gpu.config.mode == "default"
+    graphs = STATIC.replace(compile_config=CompileConfig(scope="layer", mode="reduce-overhead"))
+    d = decide(normalized(SEED_MAP), "static", graphs)
+    assert not d.compile and "records CUDA graphs" in d.reasons[0]
+
+
+def test_offload_still_needs_a_static_cache_and_a_compilable_model():
+    d = decide(HALF, "dynamic", LAYER, uncompilable=("int4 weights",))
+    assert d.reasons == (
+        "cache 'dynamic' is not compilable; use cache_implementation='static'",
+        "int4 weights",
+    )
+
+
+def test_resident_layer_scope_says_what_compiles():
+    d = decide({"": "cpu"}, "static", LAYER, layers=30)
+    assert (
+        d.compile and d.explain() == "compile: layer body on cpu (30 layers); whole step: no (scope 'layer')"
+    )
 
 
 def test_decision_reads_the_resolved_execution_device():

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tierlm.placement.device_map import execution_device, format_modules, offloaded_modules
 
 
 class CompileSkippedWarning(UserWarning):
-    """Compilation was requested (compile_config) but cannot happen; generation runs eagerly."""
+    """Compilation was requested (compile_config) but cannot happen as asked: generation runs eagerly, or
+    (scope "model" under offload) with only the layer body compiled."""
 
 
 SCOPES = ("model", "layer")
@@ -29,10 +30,10 @@ class CompileConfig:
     (inductor's C++ GEMM kernels on frozen, prepacked weights: 120 tok/s bf16 on the default model
     against 57 with mode "default", for a ~2 min compile instead of ~50 s; see DESIGN.md) and "default"
     for scope "layer". freezing None means on for CPU (weights become graph constants and are prepacked;
-    only resident models compile, so that is safe). cpp_wrapper trims per-step overhead at the cost of
-    compile time. scope "model" compiles the whole decode step (one graph, fastest, long cold compile);
+    only scope "model" freezes, and only resident models get it, so no streamed weight is ever frozen).
+    cpp_wrapper trims per-step overhead at the cost of compile time. scope "model" compiles the whole decode step (one graph, fastest, long cold compile);
     "layer" compiles one layer body that every layer reuses (~15 s cold compile; weights are inputs, so it
-    never freezes).
+    never freezes); it is what compiles under offload, where the streamed weights arrive as those inputs.
     """
 
     fullgraph: bool = True
@@ -91,16 +92,39 @@ class CompileConfig:
 
 @dataclass(frozen=True)
 class CompileDecision:
-    """Whether the decode step is compiled, and every reason it is not."""
+    """Whether the decode step is compiled, what is compiled, and every reason it is not.
+
+    scope "model": the whole step is one graph; "layer": one layer body serves every layer, and what
+    streams (`streamed`, e.g. "model.layers.9-29 stream from disk") stays outside it. config: the
+    CompileConfig the step is built with (None: CompileConfig()); under offload it is the caller's with
+    scope "layer". whole_step: why the whole step is not one graph when only the layer body compiles.
+    """
 
     compile: bool
     reasons: tuple[str, ...] = ()
     device: str = "cpu"
+    scope: str = "model"
+    streamed: tuple[str, ...] = ()
+    whole_step: tuple[str, ...] = ()
+    layers: int | None = None
+    config: CompileConfig | None = None
 
     def explain(self) -> str:
-        if self.compile:
+        if not self.compile:
+            return "compile: no (" + "; ".join(self.reasons) + ")"
+        if self.scope == "model":
             return f"compile: yes (decode step on {self.device})"
-        return "compile: no (" + "; ".join(self.reasons) + ")"
+        what = ([f"{self.layers} layers"] if self.layers is not None else []) + list(self.streamed)
+        line = f"compile: layer body on {self.device}" + (" (" + "; ".join(what) + ")" if what else "")
+        line += "; whole step: no (" + "; ".join(self.whole_step) + ")"
+        if self.streamed:
+            line += "; eager: embedding, final norm, LM head, fetch/release"
+        return line
+
+
+FELL_BACK = "scope 'model' fell back to 'layer'"
+# Modes that record CUDA graphs: a graph replays fixed weight addresses, streamed weights arrive at new ones.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def decide(
@@ -110,17 +134,20 @@ def decide(
     *,
     uncompilable: Sequence[str] = (),
     device: str | None = None,
+    layers: int | None = None,
 ) -> CompileDecision:
-    """Compile only if enabled, the cache is compilable, the device is supported and nothing is offloaded.
+    """Compile only if enabled, the cache is compilable and the device is supported; under offload, only
+    with a compile_config, and then the layer body alone (the streamed weights are its inputs).
 
     placement: the resolved module -> device map (None: the whole model on the CPU). cache: a cache object
     or its kind ("static", "dynamic"). uncompilable: reasons the model itself cannot be compiled.
     device: the execution device the placement resolved to (it honours `execution_device=`); None
-    derives it from the map.
+    derives it from the map. layers: how many layers the model has (for the explanation only).
     """
     placement = dict(placement) if placement else {"": "cpu"}
     device = str(device) if device is not None else execution_device(placement)
     config = generation_config
+    cc = config.compile_config
     reasons: list[str] = []
     if config.disable_compile:
         reasons.append("disable_compile=True")
@@ -128,24 +155,71 @@ def decide(
     compileable = cache == "static" if isinstance(cache, str) else cache.is_compileable
     if not compileable:
         reasons.append(f"cache {kind!r} is not compilable; use cache_implementation='static'")
-    if not device.startswith("cuda") and config.compile_config is None:
+    if not device.startswith("cuda") and cc is None:
         reasons.append(f"execution device {device!r} compiles only when compile_config is set")
-    offloaded = offloaded_modules(placement)
-    for tier in ("cpu", "disk"):
-        if offloaded.get(tier):
-            names = offloaded[tier]
-            verb = "is" if len(names) == 1 else "are"
-            reasons.append(f"{format_modules(names)} {verb} offloaded to {tier}")
+    offloaded = _offloaded(placement)
+    if cc is None:  # the seed's behaviour: offload without consent runs eagerly, silently
+        reasons.extend(_where(offloaded, "is offloaded to", "are offloaded to"))
     reasons.extend(uncompilable)
-    return CompileDecision(not reasons, tuple(reasons), device)
+    if offloaded and cc is not None and device.startswith("cuda") and cc.mode in CUDA_GRAPH_MODES:
+        reasons.append(
+            f"mode {cc.mode!r} records CUDA graphs, which cannot take weights that stream in; "
+            "use mode='default' or 'max-autotune-no-cudagraphs'"
+        )
+    if reasons:
+        return CompileDecision(False, tuple(reasons), device, layers=layers, config=cc)
+    if not offloaded:
+        scope = (cc or CompileConfig()).scope
+        whole = ("scope 'layer'",) if scope == "layer" else ()
+        return CompileDecision(True, (), device, scope, (), whole, layers, cc)
+    streamed = _where(offloaded, "streams from", "stream from")
+    whole_step = ("offloaded",)
+    if cc.scope == "model":  # the whole step was asked for: say why not, and what runs instead
+        whole_step = (*_where(offloaded, "is offloaded to", "are offloaded to"), FELL_BACK)
+    config = streamed_config(cc, device)
+    return CompileDecision(True, (), device, "layer", streamed, whole_step, layers, config)
+
+
+def streamed_config(cc: CompileConfig, device: str) -> CompileConfig:
+    """The config a model whose weights stream is compiled with: scope "layer" (weights are the body's
+    inputs, never frozen) and, on CUDA unless a mode was given, no CUDA graphs."""
+    cc = replace(cc, scope="layer")
+    return replace(cc, mode="default") if cc.mode is None and device.startswith("cuda") else cc
+
+
+def _offloaded(placement: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+    offloaded = offloaded_modules(placement)
+    return [(tier, offloaded[tier]) for tier in ("cpu", "disk") if offloaded.get(tier)]
+
+
+def _where(offloaded: list[tuple[str, list[str]]], one: str, many: str) -> tuple[str, ...]:
+    """ "model.layers.9-29 stream from disk" per tier (`one` / `many`: the verb for one name / several)."""
+    return tuple(f"{format_modules(n)} {one if len(n) == 1 else many} {tier}" for tier, n in offloaded)
 
 
 _warned: set[str] = set()  # causes already reported in this process
 
 
 def warn_if_skipped(decision: CompileDecision, generation_config: Any) -> None:
-    """Warn once per distinct cause when compile_config was set but the step will not be compiled."""
-    if decision.compile or generation_config.compile_config is None:
+    """Warn once per distinct cause when compile_config was set but the step will not be compiled, or
+    (scope "model" under offload) will be compiled only as a layer body."""
+    cc = generation_config.compile_config
+    if cc is None:
+        return
+    if decision.compile:
+        if decision.whole_step[-1:] != (FELL_BACK,):
+            return
+        offloaded = "; ".join(decision.whole_step[:-1])
+        if offloaded in _warned:
+            return
+        _warned.add(offloaded)
+        warnings.warn(
+            f"compile_config has scope 'model', but the whole decode step cannot be compiled while weights "
+            f"stream ({offloaded}); compiling the layer body instead, as CompileConfig(scope='layer') does "
+            "under offload without this warning",
+            CompileSkippedWarning,
+            stacklevel=3,
+        )
         return
     reasons = decision.reasons
     if generation_config.disable_compile:

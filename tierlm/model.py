@@ -13,12 +13,12 @@ import torch
 
 from tierlm import cpu
 from tierlm.cache import StaticCache
-from tierlm.compile import CompileConfig
+from tierlm.compile import CompileConfig, streamed_config
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.models.decoder import Decoder, run_layer
-from tierlm.placement.offload import Streamer, Unit
+from tierlm.placement.offload import Streamer, Unit, canonical_strides
 from tierlm.placement.placer import (
     Placement,
     disk_sources,
@@ -157,6 +157,8 @@ class Model:
     def compiled_step(self, cache: StaticCache, compile_config: CompileConfig | None):
         """The compiled decode step for this cache shape, built once and reused by later calls."""
         cc = compile_config or CompileConfig()
+        if self.streamer is not None:  # a whole step cannot take streamed weights: as decide() says
+            cc = streamed_config(cc, str(self.device))
         key = (cc, cache.batch, cache.max_len, self.dtype)
         compiled = self._compiled.get(key)
         if compiled is None and self.packages is not None and self.packages.applies(cc, cache):
@@ -168,6 +170,11 @@ class Model:
             decoder = self.decoder
             kwargs = cc.compile_kwargs(str(self.device))
             layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
+            if layer_fn is not None and self.streamer is not None and self.streamer.streams_layers():
+                decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all
+                for layer in decoder.model.layers:
+                    canonical_strides(layer)
+                layer_fn = self.streamer.around_layers(layer_fn)  # fetch/release outside the compiled body
 
             def decode_step(tokens, positions, slots):
                 logits = decoder(

@@ -52,7 +52,9 @@ def plan(
         m: sum(b for n, b in sizes.items() if n == m or n.startswith(m + ".")) for m in placement.module_map
     }
     config = GenerationConfig(cache_implementation=cache, compile_config=CompileConfig() if compile else None)
-    decision = decide(placement.module_map, cache, config, device=str(placement.device))
+    decision = decide(
+        placement.module_map, cache, config, device=str(placement.device), layers=cfg.num_layers
+    )
     return cfg, target, placement, module_bytes, decision, quant
 
 

@@ -3,19 +3,24 @@
 A unit is a module mapped to "cpu" (while an accelerator executes) or to "disk". Its weights live in a
 source: pinned CPU tensors, or tensors memory-mapped from a safetensors file. While unit i runs, a
 background thread already faults unit i+1's pages in (or copies it on a side CUDA stream); the order wraps around, so the last
-unit of one step prefetches the first unit of the next.
+unit of one step prefetches the first unit of the next. Eager forwards stream through module hooks; a compiled
+layer body streams through `around_layers`, which does the same fetch and release outside the compiled code.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from tierlm.weights.files import madvise_dontneed, page_span, populate
+
+_LAYER = re.compile(r"^model\.layers\.\d+(?=$|\.)")
 
 
 @dataclass
@@ -32,7 +37,8 @@ class Unit:
 
 
 class Streamer:
-    """Installs fetch/release hooks on every offloaded unit of a decoder and runs the prefetch."""
+    """Installs fetch/release hooks on every offloaded unit of a decoder and runs the prefetch; `around_layers`
+    streams the units of a layer around a layer function instead (a compiled body must not see hooks)."""
 
     def __init__(
         self, decoder: nn.Module, units: list[Unit], device: torch.device, drop_disk_pages: bool
@@ -44,14 +50,61 @@ class Streamer:
         self.fetches = 0  # how many unit fetches ran (tests and stats read it)
         self.prefetched = 0  # how many of them were already under way when needed
         self.mapped: set[int] = set()  # disk units whose pages are faulted in and not dropped since
+        for unit in units:  # the layout compiled code expects of every layer, streamed or resident
+            unit.sources = {k: _canonical(t) for k, t in unit.sources.items()}
+        self.modules = [decoder.get_submodule(unit.name) for unit in units]
+        self.hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        for i, module in enumerate(self.modules):
+            self._hook(i)
+            _assign(module, units[i].sources)
+        self.by_layer: dict[int, list[int]] = {}  # id(layer module) -> the units at or under that layer
         for i, unit in enumerate(units):
-            module = decoder.get_submodule(unit.name)
-            module.register_forward_pre_hook(partial(self._fetch, i))
-            module.register_forward_hook(partial(self._release, i))
-            _assign(module, unit.sources)
+            layer = _LAYER.match(unit.name)
+            if layer:
+                self.by_layer.setdefault(id(decoder.get_submodule(layer[0])), []).append(i)
+
+    def _hook(self, i: int) -> None:
+        module = self.modules[i]
+        pre = module.register_forward_pre_hook(lambda _m, _args: self.fetch(i))
+        post = module.register_forward_hook(lambda _m, _args, _out: self.release(i))
+        self.hooks[i] = (pre, post)
+
+    def _unhook(self, i: int) -> None:
+        for handle in self.hooks.pop(i):
+            handle.remove()
+
+    def streams_layers(self) -> bool:
+        """Whether any unit is a decoder layer or part of one."""
+        return bool(self.by_layer)
+
+    def around_layers(self, body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """A layer function (Decoder.forward's layer_fn) that runs `body(layer, ...)` with the layer's streamed
+        weights fetched (the next unit prefetched) before and released after, and with no hooks on the
+        layer while `body` runs: a compiled body then sees the weights as plain inputs, never the streaming."""
+
+        def layer_fn(layer: nn.Module, *args) -> torch.Tensor:
+            units = self.by_layer.get(id(layer))
+            if not units:
+                return body(layer, *args)
+            for i in units:
+                self.fetch(i)
+                self._unhook(i)
+            try:
+                return body(layer, *args)
+            finally:
+                for i in units:
+                    self._hook(i)
+                    self.release(i)
+
+        return layer_fn
 
     def _load(self, i: int):
-        """Bring unit i's weights to the execution device (runs on the prefetch thread)."""
+        """Bring unit i's weights to the execution device (on the prefetch thread, or on this one when no
+        prefetch was under way)."""
+        with torch.inference_mode(False):  # copies are alike from either thread (compiled code guards on it)
+            return self._load_unit(i)
+
+    def _load_unit(self, i: int):
         unit = self.units[i]
         if unit.tier == "disk" and i not in self.mapped:
             # Fault the pages in once; they stay mapped unless dropped after use (a RAM budget) or
@@ -69,7 +122,9 @@ class Streamer:
             return out, event
         return {k: t.to(self.device, copy=True) for k, t in unit.sources.items()}, None
 
-    def _fetch(self, i: int, module: nn.Module, _args) -> None:
+    def fetch(self, i: int) -> None:
+        """Put unit i's weights on its module (waiting for its prefetch if under way); prefetch unit i+1."""
+        module = self.modules[i]
         future = self.pending.pop(i, None)
         self.fetches += 1
         if future is not None:
@@ -88,8 +143,9 @@ class Streamer:
         if nxt not in self.pending:
             self.pending[nxt] = self.pool.submit(self._load, nxt)
 
-    def _release(self, i: int, module: nn.Module, _args, _output) -> None:
-        unit = self.units[i]
+    def release(self, i: int) -> None:
+        """Point unit i's module back at its sources (device copies go); drop its pages under a RAM budget."""
+        unit, module = self.units[i], self.modules[i]
         if not (unit.tier == "disk" and self.device.type == "cpu"):
             _assign(module, unit.sources)  # the device copies go; the sources stay
         if unit.tier == "disk" and self.drop_disk_pages:
@@ -103,6 +159,31 @@ class Streamer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def canonical_strides(module: nn.Module) -> None:
+    """Give each contiguous tensor of `module` the strides a fresh contiguous tensor of its shape has (a view).
+
+    A size-1 dimension's stride is arbitrary (an int4 scale of one group may carry 2 or 256) and compiled
+    code guards on it, so a resident layer and a streamed one would otherwise compile twice."""
+    _assign(module, {n: c for n, t in _tensors(module) if (c := _canonical(t)) is not t})
+
+
+def _tensors(module: nn.Module):
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        return t
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    strides.reverse()
+    if tuple(strides) == t.stride():
+        return t
+    return t.detach().as_strided(t.shape, strides, t.storage_offset())
 
 
 def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
