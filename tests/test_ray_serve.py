@@ -254,6 +254,22 @@ def test_more_cpus_than_the_machine_has_is_a_one_line_error(tiny_dir):  # noqa: 
     assert lines[-1].startswith(f"tierlm: error: --replicas 2 cannot be placed: they need 2 x {cpus} CPU")
 
 
+@needs_ray
+def test_joining_a_cluster_with_too_few_cpus_is_a_one_line_error(cluster, tiny_dir):  # noqa: F811
+    import ray
+
+    address = ray.get_runtime_context().gcs_address  # the module's running instance: 2 CPUs
+    argv = ["serve", "--model", str(tiny_dir), "--ray-address", address, "--replicas", "3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tierlm.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert sum(line.startswith("tierlm: error") for line in lines) == 1, done.stderr
+    assert lines[-1].startswith("tierlm: error: --replicas 3 cannot be placed: they need 3 x 1 CPU")
+    assert healthy_replicas(cluster) is not None  # the cluster and its application are untouched
+
+
 def test_without_ray_serve_replicas_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert cli.main(["serve", "--replicas", "2"]) == 1

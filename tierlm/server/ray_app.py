@@ -441,6 +441,12 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, object_store_
 
 def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Check placement, then deploy and wait until every replica has loaded; return the URL."""
+    prepare(replicas, spec, host, port)
+    return launch(replicas, spec, host, port)
+
+
+def prepare(replicas: int, spec: ReplicaSpec, host: str, port: int) -> None:
+    """Everything that can refuse before the cluster changes: placement, the HTTP proxy, the name."""
     ray, serve = import_ray()
     check_resources(cluster_nodes(ray), replicas, spec.cpus, spec.gpus)
     try:
@@ -451,6 +457,15 @@ def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int 
         raise RuntimeError(
             f"Ray Serve's HTTP proxy did not start: {lines[-1] if lines else cause!r}"
         ) from None
+    if APP_NAME in serve.status().applications:
+        raise RuntimeError(
+            f"an application named {APP_NAME!r} already runs on this Ray cluster: stop its tierlm serve first"
+        )
+
+
+def launch(replicas: int, spec: ReplicaSpec, host: str, port: int) -> str:
+    """Deploy the application and wait until every replica has loaded; return the URL."""
+    _ray, serve = import_ray()
     target = serve.RunTarget(target=application(replicas, spec), name=APP_NAME, route_prefix="/")
     serve.run_many([target], wait_for_applications_running=False)
     _wait_running(serve)
@@ -499,12 +514,13 @@ def drain(grace_s: float) -> None:
         time.sleep(0.1)
 
 
-def stop(*, keep_cluster: bool) -> None:
-    """Delete the application; on a local instance also stop Serve and Ray."""
+def stop(*, keep_cluster: bool, delete: bool = True) -> None:
+    """Delete the application (if `delete`: it is ours); on a local instance also stop Serve and Ray."""
     ray, serve = import_ray()
     try:
         if keep_cluster:
-            serve.delete(APP_NAME)
+            if delete:
+                serve.delete(APP_NAME)
         else:
             serve.shutdown()
     finally:
@@ -524,8 +540,11 @@ def serve_replicas(
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     start_ray(ray_address)
+    deployed = False
     try:
-        url = deploy(replicas, spec, host, port)
+        prepare(replicas, spec, host, port)
+        deployed = True  # from here on the application is ours to delete
+        url = launch(replicas, spec, host, port)
         logger.warning("serving on %s with %d replicas (Ctrl-C stops)", url, replicas)
         stopping = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -535,4 +554,4 @@ def serve_replicas(
         logger.warning("shutting down: in-flight requests have %.1f s to finish", shutdown_grace_s)
         drain(shutdown_grace_s)
     finally:
-        stop(keep_cluster=bool(ray_address))
+        stop(keep_cluster=bool(ray_address), delete=deployed)
