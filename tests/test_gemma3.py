@@ -257,3 +257,19 @@ def test_quantized_gemma_equals_float_with_dequantized_weights(checkpoints, mode
     real = mask.bool()
     cosine = F.cosine_similarity(quantized(ids, mask).float()[real], reference(ids, mask)[real], dim=-1)
     assert cosine.min().item() > 0.999, cosine
+
+
+def test_a_tokenizer_cached_by_an_older_tierlm_is_rebuilt(default_model_path):
+    """Tokenizers cached before Gemma's vocabulary and template existed must not be trusted."""
+    import json
+
+    from tierlm.tokenizer import Tokenizer
+    from tierlm.weights import gguf_cache
+
+    gguf_cache.store_tokenizer(default_model_path, Tokenizer.from_gguf(default_model_path))
+    assert gguf_cache.open_cached_tokenizer(default_model_path) is not None
+    meta_file = gguf_cache.cache_dir(default_model_path) / "tokenizer-meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["format"]  # what an older tierlm wrote
+    meta_file.write_text(json.dumps(meta))
+    assert gguf_cache.open_cached_tokenizer(default_model_path) is None

@@ -135,8 +135,13 @@ def default_int4_group(path: Path) -> int:
     return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
 
 
+# Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template),
+# so a tokenizer cached by an older tierlm is rebuilt rather than trusted.
+TOKENIZER_FORMAT = 2
+
+
 def open_cached_tokenizer(gguf_path: Path):
-    """The GGUF file's tokenizer from the cache, or None."""
+    """The GGUF file's tokenizer from the cache, or None (also when an older tierlm cached it)."""
     from tokenizers import Tokenizer as Backend
 
     from tierlm.tokenizer import SpecialTokens, Tokenizer
@@ -144,6 +149,8 @@ def open_cached_tokenizer(gguf_path: Path):
     folder = cache_dir(gguf_path)
     try:
         meta = json.loads((folder / "tokenizer-meta.json").read_text())
+        if meta.get("format") != TOKENIZER_FORMAT:
+            return None
         backend = Backend.from_file(str(folder / "tokenizer.json"))
     except (OSError, ValueError, Exception):  # tokenizers raises its own Exception type on bad files
         return None
@@ -155,6 +162,7 @@ def store_tokenizer(gguf_path: Path, tokenizer) -> None:
     folder = cache_dir(gguf_path)
     s = tokenizer.special
     meta = {
+        "format": TOKENIZER_FORMAT,
         "bos_id": s.bos_id,
         "eos_ids": list(s.eos_ids),
         "pad_id": s.pad_id,
