@@ -16,6 +16,11 @@ cannot cache the weights: every token reads them from the disk again). Decode to
 disk bound = sequential disk read speed / bytes on the disk tier per token; RssAnon is sampled every
 20 ms against the budget 400 MB + KV cache + 300 MB.
 
+Part C (--compiled; benchmarks/offload_compiled.py): compiled decode under offload on the default model,
+page cache warm: eager offloaded vs layer-compiled offloaded vs layer-compiled resident vs whole-step
+compiled resident, two maps, default dtype and int4. With --compiled, Part B also runs "cold every token"
+with the layer-compiled step (compiled in a warm-up call first), against the same disk bound.
+
 --time-budget (default 570 s) caps the whole run: a round that would not fit is skipped, and the output
 says so (the first round of each part always runs). Run: python benchmarks/offload.py [--help]
 """
@@ -35,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runpy (`tierlm bench`) does not add it
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF and loading progress bars
 
-from common import MB, fmt, machine_load, median, print_table, spread, write_json  # noqa: E402
+from common import MB, cpu_header, fmt, machine_load, median, print_table, spread, write_json  # noqa: E402
 from offload_disk import (  # noqa: E402
     RANDOM_LLAMA,
     disk_read_speed,
@@ -49,6 +54,7 @@ from offload_disk import (  # noqa: E402
 )
 from offload_engines import (  # noqa: E402
     COLD_EVERY,
+    COLD_EVERY_COMPILED,
     COLD_START,
     CPU_BUDGET,
     CPU_BUDGET_BYTES,
@@ -268,7 +274,9 @@ def run_part_b(args, deadline: float) -> dict:
         "prompt": COLD_PROMPT,
         "new_tokens": args.cold_tokens,
     }
-    runs: dict[str, list[dict]] = {COLD_START: [], COLD_EVERY: [], RESIDENT: []}
+    modes = (COLD_START, COLD_EVERY) + ((COLD_EVERY_COMPILED,) if args.compiled else ())
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    runs[RESIDENT] = []
     accelerate: dict | str = "skipped (--skip-accelerate)"
     notes: list[str] = []
     round_s: list[float] = []
@@ -277,7 +285,7 @@ def run_part_b(args, deadline: float) -> dict:
             notes.append(f"stopped after {i} of {args.cold_runs} rounds to stay within --time-budget")
             break
         t0 = time.perf_counter()
-        for mode in (COLD_START, COLD_EVERY):
+        for mode in modes:
             step(f"Part B, tierlm, {mode}: run {i + 1}/{args.cold_runs} (fresh process, page cache dropped)")
             result = run_child(TIERLM, {**spec, "mode": mode})
             if isinstance(result, str):
@@ -368,13 +376,19 @@ def print_part_b(runs: dict[str, list[dict]], accelerate: dict | str, disk: floa
             if rs
         )
     )
-    every = runs[COLD_EVERY]
-    achieved = median([r["decode_read_bytes_per_token"] * r["decode_tok_s"] for r in every]) / 1e9
-    print(
-        f"{COLD_EVERY}: tierlm read the disk at {achieved:.2f} GB/s while decoding, "
-        f"{achieved / disk:.0%} of the measured sequential speed"
-    )
-    for mode in (COLD_START, COLD_EVERY):
+    for mode in [m for m in (COLD_EVERY, COLD_EVERY_COMPILED) if runs.get(m)]:
+        every = runs[mode]
+        achieved = median([r["decode_read_bytes_per_token"] * r["decode_tok_s"] for r in every]) / 1e9
+        print(
+            f"{mode}: tierlm read the disk at {achieved:.2f} GB/s while decoding, "
+            f"{achieved / disk:.0%} of the measured sequential speed"
+            + (
+                f"; layer compile (warm-up call) {median([r['compile_s'] for r in every]):.1f} s"
+                if mode == COLD_EVERY_COMPILED
+                else ""
+            )
+        )
+    for mode in [m for m in (COLD_START, COLD_EVERY, COLD_EVERY_COMPILED) if runs.get(m)]:
         r = runs[mode][-1]
         print(
             f"{mode}: prefetched {r['prefetched']}/{r['fetches']} unit fetches; load read "
@@ -427,6 +441,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="Part A only, 1 run, 16 tokens")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Part A's execution device")
     p.add_argument("--skip-accelerate", action="store_true")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="run Part C (compiled decode under offload, default model) and a layer-compiled Part B mode",
+    )
+    p.add_argument("--compiled-only", action="store_true", help="Part C only (implies --compiled)")
+    p.add_argument("--compiled-quick", action="store_true", help="Part C: default dtype and one map only")
+    p.add_argument("--skip-whole-step", action="store_true", help="Part C: no whole-step compile (minutes)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/tierlm-bench"), help="checkpoints made once")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", choices=(TIERLM, HF), help=argparse.SUPPRESS)
@@ -437,6 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.quick:
         args.runs, args.new_tokens, args.cold = 1, 16, False
+    args.compiled = args.compiled or args.compiled_only
     root = os.geteuid() == 0
     if args.cold is None:
         args.cold = root
@@ -463,7 +486,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     out: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
     share = PART_A_SHARE if args.cold else 1.0
-    out["part_a"] = run_part_a(args, start + args.time_budget * share)
+    if not args.compiled_only:
+        out["part_a"] = run_part_a(args, start + args.time_budget * share)
+    if args.compiled:
+        from offload_compiled import run_part_c
+
+        print(f"\nPart C: compiled decode under offload; {cpu_header()}")
+        out["part_c"] = run_part_c(args, args.work_dir)
+    if args.compiled_only:
+        args.cold = False
     if args.cold:
         if args.device == "cuda":
             print("\nPart B runs on the CPU (it measures disk streaming, not the accelerator).")

@@ -246,23 +246,26 @@ def file_range(t, maps) -> tuple[Path, int, int]:
 
 
 def install_evictor(model) -> int:
-    """After each disk unit's forward (after tierlm's own release hook), drop its file pages from the page
-    cache, so the next token reads them from the disk again. Returns how many units it watches."""
+    """After each release of a disk unit by tierlm's streamer (eager hook or compiled layer alike), drop its
+    file pages from the page cache, so the next token reads them from the disk again. Returns how many
+    units it watches."""
     fds: dict[Path, int] = {}
-    count = 0
     maps = file_mappings()
-    for unit in model.streamer.units:
+    streamer = model.streamer
+    ranges: dict[int, list] = {}
+    for i, unit in enumerate(streamer.units):
         if unit.tier != "disk":
             continue
-        ranges = [file_range(t, maps) for t in unit.sources.values()]
-        for file, _, _ in ranges:
+        ranges[i] = [file_range(t, maps) for t in unit.sources.values()]
+        for file, _, _ in ranges[i]:
             if file not in fds:
                 fds[file] = os.open(file, os.O_RDONLY)
+    release = streamer.release
 
-        def evict(_module, _args, _output, ranges=ranges) -> None:
-            for file, offset, length in ranges:
-                os.posix_fadvise(fds[file], offset, length, os.POSIX_FADV_DONTNEED)
+    def release_and_evict(i: int) -> None:
+        release(i)
+        for file, offset, length in ranges.get(i, ()):
+            os.posix_fadvise(fds[file], offset, length, os.POSIX_FADV_DONTNEED)
 
-        model.decoder.get_submodule(unit.name).register_forward_hook(evict)
-        count += 1
-    return count
+    streamer.release = release_and_evict  # a module hook would land inside a compiled layer body
+    return len(ranges)
