@@ -5,9 +5,12 @@ int4 with bf16 activations, x CompileConfig scope "model" or "layer"; bf16 only)
 llama.cpp (batch 1). Same prompt tokens, greedy, forced length, runs interleaved, medians. Decode tok/s:
 (new tokens after the first) x batch / (wall time of the full call - prefill time), prefill time being
 the median time of a one-token call (llama.cpp: time to its first token). Cold compile s: with the
-inductor cache in a fresh temporary directory, a variant's warm-up call minus its median timed call.
+inductor cache in a fresh temporary directory, a variant's warm-up calls minus its median timed ones.
 Warm start s: afterwards, a new process per variant on the warm inductor cache, from its first line
-(before `import torch`) to the first decoded token, batch 1. Run: python benchmarks/decode.py [--help]
+(before `import torch`) to the first decoded token, batch 1. --packages adds, per scope "model" variant,
+the same step built ahead of time (tierlm.aot) into a fresh package store: its cold build s, its decode
+tok/s beside the JIT-compiled step's, and warm starts that load the package, with an eager warm start of
+the same weights for reference. Run: python benchmarks/decode.py [--help]
 """
 
 # ruff: noqa: E402
@@ -66,20 +69,33 @@ WEIGHTS, SCOPES = ("bf16", "int8", "int4"), ("model", "layer")  # SCOPES as tier
 VARIANTS = ",".join(f"{w}:{s}" for w in WEIGHTS for s in SCOPES)
 
 
+KINDS = ("jit", "package", "eager")  # torch.compile in-process; an AOTInductor package; not compiled
+
+
 @dataclass(frozen=True)
 class Variant:
-    """A compiled tierlm: bf16 weights, or int8 / int4 ones with bf16 activations, x the compile scope."""
+    """A compiled tierlm: bf16 weights, or int8 / int4 ones with bf16 activations, x the compile scope;
+    kind "package" loads (or builds) the step from a package store, "eager" is the same weights uncompiled."""
 
     weights: str
     scope: str
+    kind: str = "jit"
 
     @property
     def name(self) -> str:
-        return f"tierlm {self.weights} {self.scope}"
+        if self.kind == "eager":
+            return f"tierlm {self.weights} eager"
+        return f"tierlm {self.weights} {self.scope}" + (" package" if self.kind == "package" else "")
 
     @property
     def spec(self) -> str:
-        return f"{self.weights}:{self.scope}"
+        return f"{self.weights}:{self.scope}" + (f":{self.kind}" if self.kind != "jit" else "")
+
+    def prepare(self, model, store: str | None):
+        """The model, set to load its compiled step from the package store when this is a package variant."""
+        if self.kind == "package":
+            model.use_compiled_packages(Path(store))
+        return model
 
     def load(self):
         import tierlm
@@ -89,6 +105,8 @@ class Variant:
     def compile_config(self, mode: str | None):
         from tierlm import CompileConfig
 
+        if self.kind == "eager":
+            return None
         return CompileConfig(scope=self.scope) if mode is None else CompileConfig(scope=self.scope, mode=mode)
 
 
@@ -248,7 +266,9 @@ def summarize(engine: str, dtype: str, rows: list[list[int]], n: int, runs: Runs
     decoded = (n - 1) * len(rows)
     rates = [decoded / (s.total_s - prefill) if s.total_s > prefill else float("nan") for s in samples]
     loop = [s.loop_tok_s for s in samples if s.loop_tok_s is not None]
-    compile_s = runs.warmup[0].total_s - median([s.total_s for s in samples]) if compiled else None
+    # Both calls count: a packaged step is loaded or built when the generation starts, even a one-token one.
+    warmup = runs.warmup[0].prefill_s + runs.warmup[0].total_s
+    compile_s = warmup - median([s.prefill_s + s.total_s for s in samples]) if compiled else None
     tokens = sum(len(r) for r in rows)
     result = Result(engine, dtype, len(rows), tokens, prefill, median(rates), spread(rates), rates)
     result.loop_tok_s, result.compile_s = median(loop) if loop else None, compile_s
@@ -292,7 +312,9 @@ def bench_dtype(dtype: str, args, model_file: Path, llama) -> list[Result]:
     if dtype == "bfloat16":  # compiled variants compute in bf16
         for v in args.variants:
             status(f"loading {v.name} ...")
-            engines[v.name] = TierlmEngine(v.load(), v.compile_config(args.mode))
+            engines[v.name] = TierlmEngine(
+                v.prepare(v.load(), args.package_store), v.compile_config(args.mode)
+            )
     if not args.skip_transformers:
         status(f"loading transformers ({dtype}) ...")
         engines[HF] = TransformersEngine(model_file, dtype, model.tokenizer.pad_token_id)
@@ -321,6 +343,7 @@ def warm_start(variant: Variant, args) -> WarmStart:
     command += ["--new-tokens", str(args.new_tokens)]
     command += ["--threads", str(args.threads)] if args.threads else []
     command += ["--mode", args.mode] if args.mode else []
+    command += ["--package-store", args.package_store] if variant.kind == "package" else []
     command += ["--spawned-at", repr(time.time())]
     status(f"  {variant.name}: warm start in a new process ...")
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
@@ -343,7 +366,7 @@ def warm_start_child(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     variant = args.variants[0]
-    model = variant.load()
+    model = variant.prepare(variant.load(), args.package_store)
     rows = chat_prompts(model.tokenizer, 1)
     length = bucket_length(len(rows[0]) + args.new_tokens, model.config.max_position_embeddings)
     loaded = time.perf_counter()
@@ -351,7 +374,7 @@ def warm_start_child(args) -> None:
     config = dict(max_new_tokens=2, min_new_tokens=2, cache_implementation="static", max_cache_len=length)
     r = model.generate(rows, compile_config=variant.compile_config(args.mode), **config)
     end = time.perf_counter()
-    if not r.stats.compile.compile:
+    if variant.kind != "eager" and not r.stats.compile.compile:
         raise SystemExit(f"tierlm did not compile the decode step: {r.stats.compile.explain()}")
     inductor = counters["inductor"]
     out = {
@@ -460,10 +483,15 @@ def parse_variants(text: str, p: argparse.ArgumentParser) -> list[Variant]:
         return []
     variants = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
-        weights, _, scope = spec.partition(":")
-        if weights not in WEIGHTS or scope not in SCOPES:
-            p.error(f"unknown variant {spec!r}; use WEIGHTS:SCOPE, WEIGHTS in {WEIGHTS}, SCOPE in {SCOPES}")
-        variants.append(Variant(weights, scope))
+        weights, _, rest = spec.partition(":")
+        scope, _, kind = rest.partition(":")
+        kind = kind or "jit"
+        if weights not in WEIGHTS or scope not in SCOPES or kind not in KINDS:
+            p.error(
+                f"unknown variant {spec!r}; use WEIGHTS:SCOPE[:KIND], WEIGHTS in {WEIGHTS}, SCOPE in {SCOPES}, "
+                f"KIND in {KINDS}"
+            )
+        variants.append(Variant(weights, scope, kind))
     return list(dict.fromkeys(variants))
 
 
@@ -485,6 +513,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", help="CompileConfig(mode=...) for the variants (default: tierlm's)")
     p.add_argument("--inductor-cache", help="inductor cache dir (default: a fresh temporary one, so cold)")
     p.add_argument("--threads", type=int, help="torch and llama.cpp threads (default: torch's; llama.cpp 2)")
+    p.add_argument(
+        "--packages",
+        action="store_true",
+        help='add each scope "model" variant built ahead of time (tierlm.aot) into a fresh package store',
+    )
+    p.add_argument("--package-store", help="package store for --packages (default: a fresh temporary one)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--warm-start-child", metavar="VARIANT", help=argparse.SUPPRESS)
     p.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
@@ -498,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.runs < 1 or args.new_tokens < 2 or not args.batches or min(args.batches) < 1:
         p.error("--runs >= 1, --new-tokens >= 2 and batch sizes >= 1 are needed")
     args.variants = parse_variants(args.warm_start_child or args.variants, p)
+    if args.packages and not args.warm_start_child:
+        model_scope = [v for v in args.variants if v.scope == "model" and v.kind == "jit"]
+        args.variants += [Variant(v.weights, "model", "package") for v in model_scope]
     return args
 
 
@@ -508,11 +545,16 @@ def main(argv: list[str] | None = None) -> None:
     # Before anything compiles: inductor memoizes paths under this directory.
     cache_dir = args.inductor_cache or tempfile.mkdtemp(prefix="tierlm-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    fresh_store = args.packages and not args.package_store
+    if fresh_store:  # so that each package's first use is a cold build
+        args.package_store = tempfile.mkdtemp(prefix="tierlm-packages-")
     try:
         run(args, cache_dir)
     finally:
         if not args.inductor_cache:
             shutil.rmtree(cache_dir, ignore_errors=True)
+        if fresh_store:
+            shutil.rmtree(args.package_store, ignore_errors=True)
 
 
 def run(args, cache_dir: str) -> None:
@@ -553,7 +595,11 @@ def run(args, cache_dir: str) -> None:
     warm = {}
     if variants and 1 in args.batches:  # the batch-1 graphs are in the inductor cache now
         status("warm starts, batch 1:")
-        warm = {v.name: warm_start(v, args) for v in variants}
+        warm_variants = list(variants)
+        if args.packages:  # the same weights run eagerly: what a compiled warm start is measured against
+            eager = [Variant(w, "model", "eager") for w in dict.fromkeys(v.weights for v in variants)]
+            warm_variants += eager
+        warm = {v.name: warm_start(v, args) for v in warm_variants}
     elif variants:
         print("warm start: not measured (it reuses the batch-1 graphs; add batch 1 to --batches)")
     print_results(results, warm, args)
