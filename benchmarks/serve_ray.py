@@ -2,9 +2,12 @@
 so 1 torch thread per replica, on a local Ray instance) against the single-process server with 2 threads.
 
 Reported per server: generated tokens/s and median time to first token at each client count (the rounds of
-benchmarks/serve.py: streamed greedy chat completions), and the router's added latency per request: the
+benchmarks/serve.py: streamed greedy chat completions, arriving at --rate; a large rate sends them together),
+and the router's added latency per request: the
 median wall time of GET /v1/models (no generation: the request and the answer only) through Ray Serve minus
-through the single-process server, both over HTTP on loopback with a kept-alive connection.
+through the single-process server, both over HTTP on loopback with a kept-alive connection. The issue's run:
+
+    python benchmarks/serve.py --replicas 1,2 --clients 16 --min-tokens 64 --max-tokens 64 --rate 1000
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class ReplicaSpec:
         """Requests Ray Serve may send one replica at once: what its worker runs and queues. The rest wait in
         the router, so each replica's queue stays short and new requests go to the least busy one."""
         batch, queue = self.app_kwargs.get("max_batch_size", 8), self.app_kwargs.get("max_queue", 64)
-        return max(1, batch * 4 + queue)
+        return max(1, batch * 4 + queue)  # the worker runs up to 4 batches in turns (batcher.py)
 
 
 # --- placement: fail before deploying, never wait for resources that do not exist -------------------------
