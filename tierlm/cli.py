@@ -408,6 +408,7 @@ def serve_replicas(args) -> int:
             "max_batch_size": args.max_batch_size,
             "api_key": args.api_key,
             "generation_config": GenerationConfig(compile_config=cc) if cc else None,
+            "batching": args.batching,
         },
         cpus=args.replica_cpus,
         gpus=args.replica_gpus,
