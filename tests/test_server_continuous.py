@@ -254,3 +254,20 @@ BAD = [
 def test_bad_value_of_a_new_field_is_400_naming_it(http, path, fields, param):
     base = GOOD_CHAT if path == CHAT else GOOD_TEXT
     check_error(http.post(path, json={**base, **fields}), 400, param)
+
+
+def test_static_batching_answers_the_new_fields_as_continuous_does(http, tiny_dir):
+    """`--batching static` (the previous worker, kept for the benchmark) honours the same fields."""
+    fields = dict(prompt=[[5, 6, 7, 8], [9, 10, 11]], echo=True, logprobs=2, max_tokens=4, n=2)
+    fields.update(temperature=0.9, seed=3, presence_penalty=0.4, logit_bias={"7": 2.0}, top_k=30)
+    continuous = complete(http, **fields)
+    with serve(tierlm.load(tiny_dir, dtype="float32"), max_batch_size=8, batching="static") as s:
+        with httpx.Client(base_url=s.url, trust_env=False, timeout=120) as c:
+            static = complete(c, **fields)
+            assert s.stats()["batching"] == "static"
+    assert [ch["text"] for ch in static["choices"]] == [ch["text"] for ch in continuous["choices"]]
+    for a, b in zip(static["choices"], continuous["choices"]):
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            b["logprobs"]["token_logprobs"][1:], abs=1e-4
+        )
