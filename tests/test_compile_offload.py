@@ -48,12 +48,13 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(tierlm.compile, "_warned", set())
 
 
-def compiled_runs(model, config=LAYER, prompts=PROMPTS):
-    """Generate for every prompt from a fresh dynamo state; recompiling anything is an error.
+def compiled_runs(model, config=LAYER, prompts=PROMPTS, kinds=1):
+    """Generate for every prompt from a fresh dynamo state; with one layer kind, recompiling anything is an
+    error (several kinds compile one body each, which dynamo counts as recompiles of the first).
     Returns (results, how many graphs dynamo compiled)."""
     torch._dynamo.reset()
     counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=kinds == 1):
         results = [
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, compile_config=config)
             for ids, n in prompts
@@ -303,4 +304,21 @@ def test_gpu_pinned_cpu_weights_feed_the_compiled_layer_body(tiny_checkpoints):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     decision = results[0].stats.compile
     assert decision.device == "cuda:0" and decision.config.mode == "default"
+    assert_streamed_every_step(model, (0, 0))
+
+
+def test_gemma3_streams_through_one_body_per_layer_kind(tmp_path):
+    """Gemma 3 has sliding and full layers (a ring-buffer view and a full one): one body per kind, for
+    resident and streamed layers alike, and the layer-compiled resident tokens."""
+    from test_gemma3 import write_gemma3
+
+    path = write_gemma3(
+        tmp_path / "gemma3", "untied"
+    )  # layers: sliding, sliding, full, sliding, full, sliding
+    resident, graphs = compiled_runs(tierlm.load(path, dtype="float32"), kinds=2)
+    assert graphs == 2
+    model = tierlm.load(path, dtype="float32", device_map=HALF_ON_DISK, offload_folder=tmp_path / "off")
+    results, graphs = compiled_runs(model, kinds=2)
+    assert graphs == 2  # and no more across the three calls
+    assert [r.token_ids for r in results] == [r.token_ids for r in resident]
     assert_streamed_every_step(model, (0, 0))
