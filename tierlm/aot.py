@@ -40,6 +40,7 @@ FORMAT = 1  # bump when what a package holds or how it is called changes
 PACKAGE = "step.pt2"
 # tierlm's sources that shape the exported graph: a package built from other code is another package.
 CODE = ("models", "quant.py", "cache.py", "aot.py")
+MAX_LOADED = 4  # loaded packages a model keeps (each holds its own frozen weights), as it keeps static caches
 
 
 class PackageRejectedWarning(UserWarning):
@@ -356,11 +357,13 @@ class Packages:
         """The packaged step for `cache`'s shape: loaded when the store has it, else built, then loaded."""
         key = package_key(self.model, cache.batch, cache.max_len, cc)
         name = digest(key)
-        if name not in self.loaded:
-            self.loaded[name] = self._load_or_build(
-                key, f"batch {cache.batch}, cache {cache.max_len}", cache, cc
-            )
-        runner, package, how = self.loaded[name]
+        entry = self.loaded.pop(name, None)
+        if entry is None:
+            entry = self._load_or_build(key, f"batch {cache.batch}, cache {cache.max_len}", cache, cc)
+            while len(self.loaded) >= MAX_LOADED:  # least recently used goes (a step in use keeps its own)
+                del self.loaded[next(iter(self.loaded))]
+        self.loaded[name] = entry  # most recently used last
+        runner, package, how = entry
         return PackagedStep(runner, cache, package, how)
 
     def prepare(
