@@ -38,6 +38,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF progress bar; r
 
 import torch
 from common import (
+    MODEL_ENV,
     Runs,
     contention_warning,
     cpu_header,
@@ -64,7 +65,7 @@ QUESTIONS = [  # 37-47 tokens with the chat template, so batches are left-padded
     "Name three animals that live in the ocean and say one thing about each of them.",
 ]
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-TIERLM, HF, LLAMA = "tierlm eager", "transformers eager", "llama.cpp (Q4_1)"
+TIERLM, HF, LLAMA = "tierlm eager", "transformers eager", "llama.cpp"
 WEIGHTS, SCOPES = ("bf16", "int8", "int4"), ("model", "layer")  # SCOPES as tierlm.compile.SCOPES
 VARIANTS = ",".join(f"{w}:{s}" for w in WEIGHTS for s in SCOPES)
 
@@ -100,7 +101,8 @@ class Variant:
     def load(self):
         import tierlm
 
-        return tierlm.load(dtype="bfloat16", quantize=None if self.weights == "bf16" else self.weights)
+        quantize = None if self.weights == "bf16" else self.weights
+        return tierlm.load(default_model_file(), dtype="bfloat16", quantize=quantize)
 
     def compile_config(self, mode: str | None):
         from tierlm import CompileConfig
@@ -307,7 +309,7 @@ def bench_dtype(dtype: str, args, model_file: Path, llama) -> list[Result]:
     import tierlm
 
     status(f"loading tierlm ({dtype}) ...")
-    model = tierlm.load(dtype=dtype)
+    model = tierlm.load(model_file, dtype=dtype)
     engines = {TIERLM: TierlmEngine(model)}
     if dtype == "bfloat16":  # compiled variants compute in bf16
         for v in args.variants:
@@ -497,6 +499,7 @@ def parse_variants(text: str, p: argparse.ArgumentParser) -> list[Variant]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tierlm bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M Q4_1), e.g. Gemma 3 270M")
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine (after one warm-up)")
     p.add_argument("--dtypes", default="bf16", help="comma-separated: fp32, bf16 (compiled: bf16 only)")
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
@@ -540,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.model:  # every engine and warm-start child reads it (benchmarks/common.default_model_file)
+        os.environ[MODEL_ENV] = str(Path(args.model).resolve())
     if args.warm_start_child:
         return warm_start_child(args)
     # Before anything compiles: inductor memoizes paths under this directory.
@@ -569,7 +574,8 @@ def run(args, cache_dir: str) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     model_file = default_model_file()
-    tokenizer = tierlm.load(dtype=args.dtypes[0]).tokenizer  # the weights load again per engine below
+    # the weights load again per engine below
+    tokenizer = tierlm.load(model_file, dtype=args.dtypes[0]).tokenizer  # the weights load again per engine below
     one = chat_prompts(tokenizer, 1)
     widths = sorted(len(r) for r in chat_prompts(tokenizer, max(args.batches)))
     variants = args.variants if "bfloat16" in args.dtypes else []
