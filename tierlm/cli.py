@@ -257,7 +257,9 @@ def cmd_generate(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes its own special tokens (Gemma's <bos>): as the server does, add none
+        prompt = model.tokenizer.encode(text, add_special_tokens=False)
     gen = model.start([prompt], config)
     if args.explain:
         from tierlm import cpu
@@ -316,7 +318,8 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        text = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        prompt = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         reply = []
         for _row, delta, _f, _r in model.start([prompt], config).stream():
             reply.append(delta)
