@@ -52,15 +52,22 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
         builder = _gemma_backend
     backend = builder(meta)
     _add_gguf_added_tokens(backend, meta)
+    eos_ids = [meta[key] for key in _EOS_KEYS if key in meta]
+    template = meta.get("tokenizer.chat_template")
+    if meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
+        # As llama.cpp does for Gemma files: a turn ends generation like <eos> does.
+        tokens = meta["tokenizer.ggml.tokens"]
+        eos_ids += [i for i, t in enumerate(tokens[:1024]) if t == "<end_of_turn>"]
+        template = template or GEMMA_CHAT_TEMPLATE
     special = SpecialTokens(
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=tuple(dict.fromkeys(meta[key] for key in _EOS_KEYS if key in meta)),
+        eos_ids=tuple(dict.fromkeys(eos_ids)),
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
         unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
     )
     # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
-    return backend, special, add_bos, meta.get("tokenizer.chat_template")
+    return backend, special, add_bos, template
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:
@@ -185,3 +192,13 @@ def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any]) -> N
 
 _GGUF_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
 _GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+# Gemma's turn format, for Gemma GGUFs that carry no tokenizer.chat_template (the Gemma 3 270M one does
+# not): <start_of_turn>user|model, the text, <end_of_turn>; a system message opens the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n'"
+    " + ns.system + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.system = '' %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
