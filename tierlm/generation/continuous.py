@@ -66,7 +66,10 @@ class SlotBatch:
     """`slots` rows of a static cache that grows (by powers of two) to fit the longest sequence."""
 
     def __init__(self, model, slots: int, config: GenerationConfig) -> None:
-        self.model, self.slots, self.config = model, slots, config
+        self.model, self.config, self.capacity = model, config, slots
+        if self._compiles():  # compiled steps run at power-of-two row counts: rows past capacity pad them
+            slots = 1 << (slots - 1).bit_length()
+        self.slots = slots
         tok, cfg = model.tokenizer, model.config
         self.eos_ids = config.eos_token_id or tuple(tok.eos_token_ids if tok else cfg.eos_token_ids)
         self.device = model.device
@@ -85,8 +88,16 @@ class SlotBatch:
 
     # --- membership ------------------------------------------------------------------------------
 
+    def _compiles(self) -> bool:
+        kind = "static"  # the cache it will build; decide() answers the same for the SlotCache later
+        model = self.model
+        device = str(model.device)
+        return decide(
+            model.device_map, kind, self.config, uncompilable=model.uncompilable_reasons(), device=device
+        ).compile
+
     def free_rows(self) -> list[int]:
-        return [i for i, r in enumerate(self.rows) if r is None]
+        return [i for i, r in enumerate(self.rows[: self.capacity]) if r is None]
 
     @property
     def busy(self) -> bool:
@@ -115,7 +126,7 @@ class SlotBatch:
                 ids, torch.ones_like(ids, dtype=torch.bool), seq.config.prompt_logprobs
             )
         self.waiting.append(seq)
-        self.stats["rows_max"] = max(self.stats["rows_max"], self.slots - len(self.free_rows()))
+        self.stats["rows_max"] = max(self.stats["rows_max"], self.capacity - len(self.free_rows()))
 
     def cancel(self, key: object) -> None:
         """End the sequence `key` at its next unit of work."""
