@@ -575,7 +575,7 @@ def run(args, cache_dir: str) -> None:
     hf_logging.disable_progress_bar()
     model_file = default_model_file()
     # the weights load again per engine below
-    tokenizer = tierlm.load(model_file, dtype=args.dtypes[0]).tokenizer  # the weights load again per engine below
+    tokenizer = tierlm.load(model_file, dtype=args.dtypes[0]).tokenizer
     one = chat_prompts(tokenizer, 1)
     widths = sorted(len(r) for r in chat_prompts(tokenizer, max(args.batches)))
     variants = args.variants if "bfloat16" in args.dtypes else []
