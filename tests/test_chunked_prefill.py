@@ -130,11 +130,11 @@ def test_short_request_is_answered_before_a_long_prompts_first_token(served_mode
 
 
 def test_batches_of_one_cache_shape_run_together_on_their_own_caches(served_model):
-    """Two long prompts of the same length need static caches of the same shape: the second starts while
-    the first still prefills, on a cache of its own, and both give their solo texts (one shared cache would
+    """The static worker: two long prompts of the same length need static caches of the same shape: the
+    second starts while the first still prefills, on a cache of its own, and both give their solo texts (one shared cache would
     mix their keys)."""
     prompts = [random_ids(LONG - 50, seed) for seed in (2, 3)]
-    with serve(served_model, max_batch_size=1) as live, slow_prefill(served_model, 0.1):
+    with serve(served_model, max_batch_size=1, batching="static") as live, slow_prefill(served_model, 0.1):
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(complete, live.url, prompts[0], 6)
             live.wait_for(lambda s: s["running"] == 1)

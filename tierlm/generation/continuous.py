@@ -3,8 +3,9 @@
 Each row keeps its own positions (its slots are its rotary positions, whoever else is in the batch) and
 its own sampling settings and RNG (`Sampler`), so a sequence's tokens do not depend on its neighbours:
 its prefill is the same computation as a solo run's, and its decode steps differ only in which masked
-slots the attention reads. Work comes in units, as `Generation.advance()`: a prefill chunk of the oldest
-joining sequence, or one decode step of every decoding row; the two alternate while both are due.
+slots the attention reads. Work comes in units, as `Generation.advance()`: a prefill chunk of a joining
+sequence (the joining sequences take turns, chunk by chunk), or one decode step of every decoding row;
+the two alternate while both are due.
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ class SlotBatch:
             seq.prompt_lp.add(logits, start)
         seq.prefilled = end
         self.stats["prefill_chunks"] += 1
-        if end < width:
+        if end < width:  # round robin: a short prompt that joined behind a long one waits one chunk, not all
+            self.waiting.append(self.waiting.pop(0))
             return []
         self.waiting.pop(0)
         copy_rows(self.cache, row, seq.rows[1:], width)  # n samples share one prefill
