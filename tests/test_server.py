@@ -453,7 +453,10 @@ SERVE_SCRIPT = """
 import sys, tierlm
 from tierlm.server import run_server
 model = tierlm.load(sys.argv[1], dtype="float32")
-run_server(model, "127.0.0.1", int(sys.argv[2]), model_name="tiny", shutdown_grace_s=0.3, log_level="warning")
+run_server(
+    model, "127.0.0.1", int(sys.argv[2]), model_name="tiny", shutdown_grace_s=0.3, log_level="warning",
+    max_batch_size=1,
+)
 """
 
 
@@ -478,7 +481,7 @@ def test_sigterm_ends_running_and_queued_requests_with_a_shutdown_error(tiny_dir
             except httpx.TransportError:
                 assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
                 time.sleep(0.1)
-        # A seeded sample runs alone, so it waits behind the long greedy stream.
+        # One row (max_batch_size=1): the second request waits in the queue behind the long stream.
         body = {"model": NAME, "prompt": "wait", "max_tokens": 4, "temperature": 1, "seed": 3}
         with ThreadPoolExecutor(1) as pool, long_stream(live) as events:
             queued = pool.submit(
