@@ -2,7 +2,8 @@
 
 Builds use CompileConfig(mode="default"), which builds in tens of seconds on the tiny fixture instead of
 minutes; the default (max-autotune C++ GEMMs) goes through the same export, store and load. Every build
-here costs ~30 s of CPU, so the tests share them: one fp32 package, built by two processes at once.
+here costs ~30 s of CPU, so the tests share them: one fp32 package, built by two processes at once, and
+continuous batching's steps at 1 and 2 rows, built once and loaded by a server process.
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from agreement import assert_greedy_agrees, greedy
@@ -24,6 +30,7 @@ from tierlm import CompileConfig, aot, cpu
 from tierlm.cache import StaticCache
 from tierlm.cache_folder import cache_entries
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.continuous import Sequence, SlotBatch
 
 CC = CompileConfig(mode="default")
 MODE_ARGS = ["--compile-mode", "default", "--batch-sizes", "1", "--cache-len", "256"]
@@ -32,9 +39,10 @@ N = 20
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
 
 # Run in a subprocess in place of `python -m tierlm.cli`: records every export, AOT compile, inductor
-# compile and dynamo frame, and prints them after the command, so a test sees what that process compiled.
+# compile and dynamo frame, and prints them after the command (a server: when SIGTERM stops it), so a test
+# sees what that process compiled.
 SPY = """
-import json, sys
+import json, signal, sys
 import torch, torch.export, torch._inductor, torch._inductor.compile_fx as cf
 from torch._dynamo.utils import counters
 calls = []
@@ -46,10 +54,16 @@ def spy(name, real):
 torch.export.export = spy("export", torch.export.export)
 torch._inductor.aoti_compile_and_package = spy("aoti_compile_and_package", torch._inductor.aoti_compile_and_package)
 cf.compile_fx = spy("compile_fx", cf.compile_fx)
+def report():
+    seen = {"calls": calls, "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}
+    print("COMPILES " + json.dumps(seen), file=sys.stderr, flush=True)
+def stopped(*_):  # uvicorn re-raises the SIGTERM it caught once it has shut down
+    report()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
 from tierlm import cli
 rc = cli.main(sys.argv[1:])
-seen = {"calls": calls, "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}
-print("COMPILES " + json.dumps(seen), file=sys.stderr)
+report()
 sys.exit(rc)
 """
 
@@ -316,3 +330,132 @@ def test_compile_command_errors_are_one_line(tiny, tmp_path, args, error):
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1] == f"tierlm: error: {error}"
     assert not (tmp_path / "aot").exists() or not any((tmp_path / "aot").iterdir())  # nothing built
+
+
+# --- continuous batching's steps (SlotCache rows), packaged --------------------------------------------------
+
+SLOT_ROWS = 2  # serve --max-batch-size 2: steps at 1 and 2 rows
+SLOT_NEEDED = 512  # the server sizes its cache for min(default max tokens, context) = 512 -> 513 slots
+SLOT_PROMPTS = [PROMPT, "w3 w250 w9", "w77 w1 w300 w12 w64"]
+
+
+def slot_config(**kw) -> GenerationConfig:
+    return GenerationConfig(compile_config=CC, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def slot_store(tiny, tmp_path_factory):
+    """A store holding continuous batching's packaged steps at 1 and 2 rows (built here, once), and the
+    progress lines the build reported."""
+    store = tmp_path_factory.mktemp("slot-store")
+    model = tierlm.load(tiny, dtype="float32")
+    model.use_compiled_packages(store / "aot")
+    lines: list[str] = []
+    batch = SlotBatch(model, SLOT_ROWS, slot_config())
+    batch.prepare(SLOT_NEEDED, lines.append)
+    return store, lines, dict(batch.steps)
+
+
+def test_slot_steps_are_built_once_per_row_count(slot_store, model):
+    store, lines, steps = slot_store
+    assert sorted(steps) == [1, 2] and all(how.startswith("built package") for how in steps.values())
+    assert [line.split("]")[0] for line in lines] == ["[1/2", "[2/2"]
+    assert "continuous batch 1, cache 513, float32" in lines[0] and "MB" in lines[0]
+    for rows in (1, 2):  # keyed apart from generate's static steps of the same shape
+        key = aot.package_key(model, rows, 513, CC, "slots")
+        assert key["step"] == "slots" and aot.find(key, store / "aot") is not None
+        assert aot.digest(key) != aot.digest(aot.package_key(model, rows, 513, CC))
+    assert len(list((store / "aot").iterdir())) == 2
+
+
+def run_slot_batch(model) -> tuple[dict, SlotBatch]:
+    """Three greedy requests through 2 rows: A decodes alone (1 row), B joins it (2 rows), B leaves while
+    A runs on, C joins A's batch, A leaves and C ends in row 1 (still 2 rows). Tokens per request."""
+    batch = SlotBatch(model, SLOT_ROWS, slot_config())
+    batch.prepare(SLOT_NEEDED)
+    tok = model.tokenizer
+    tokens: dict[str, list[int]] = {}
+
+    def join(name: str, prompt: str, n: int) -> None:
+        batch.join(Sequence(name, tok.encode(prompt), slot_config(max_new_tokens=n, min_new_tokens=n)))
+
+    def work(units: int | None = None) -> None:
+        done = 0
+        while batch.busy and (units is None or done < units):
+            for u in batch.advance():
+                if u.token is not None:
+                    tokens.setdefault(u.key, []).append(u.token)
+            done += 1
+
+    join("A", SLOT_PROMPTS[0], 24)
+    work(4)
+    join("B", SLOT_PROMPTS[1], 5)
+    work(14)
+    join("C", SLOT_PROMPTS[2], 16)
+    work()
+    return tokens, batch
+
+
+def test_packaged_slot_steps_equal_the_jit_continuous_steps_as_rows_join_and_leave(slot_store, tiny):
+    store, _lines, _steps = slot_store
+    packaged_model = tierlm.load(tiny, dtype="float32")
+    packaged_model.use_compiled_packages(store / "aot")
+    packaged, batch = run_slot_batch(packaged_model)
+    assert sorted(batch.steps) == [1, 2]
+    assert all(how.startswith("loaded package") for how in batch.steps.values()), batch.steps
+    assert batch.stats["joined_running_batch"] >= 2 and batch.stats["left_running_batch"] >= 2
+    assert [len(packaged[k]) for k in "ABC"] == [24, 5, 16]
+    jit, jit_batch = run_slot_batch(tierlm.load(tiny, dtype="float32"))
+    assert sorted(jit_batch.steps) == [1, 2] and all("torch.compile" in h for h in jit_batch.steps.values())
+    assert packaged == jit  # fp32: exactly the JIT-compiled continuous steps' tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_served_compiled_continuous_batching_loads_its_packages_without_compiling(slot_store, tiny):
+    """`tierlm serve --compile` (continuous batching) in a new process on a warm store: healthy with its
+    steps loaded, not compiled; concurrent requests (more than its rows) get the eager solo tokens."""
+    store, _lines, _steps = slot_store
+    port = free_port()
+    args = ["serve", "--model", str(tiny), "--dtype", "float32", "--compile", "--compile-mode", "default"]
+    proc = tierlm_cli(
+        *args, "--max-batch-size", str(SLOT_ROWS), "--port", str(port), env=cli_env(store), spy=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        jobs = [(SLOT_PROMPTS[i % 3], 6 + 4 * i) for i in range(4)]
+
+        def complete(job) -> str:
+            body = {"model": "llama", "prompt": job[0], "max_tokens": job[1], "temperature": 0}
+            r = httpx.post(f"{url}/v1/completions", json=body, trust_env=False, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(complete, jobs))
+        stats = httpx.get(f"{url}/stats", trust_env=False).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    seen = json.loads(err.split("COMPILES ", 1)[1])
+    assert seen == {"calls": [], "frames": 0, "graphs": 0}, err  # nothing exported, traced or compiled
+    assert err.count("tierlm: compiled step: loaded package") == 2, err
+    assert "tierlm: [2/2] continuous batch 2, cache 513, float32" in err
+    assert sorted(stats["compiled_steps"]) == ["1", "2"], stats
+    assert all(how.startswith("loaded package") for how in stats["compiled_steps"].values())
+    assert stats["joined_running_batch"] >= 1 and stats["max_batch_size_seen"] == SLOT_ROWS
+    eager = tierlm.load(tiny, dtype="float32")
+    assert texts == [eager.generate(p, max_new_tokens=n).texts[0] for p, n in jobs]  # EOS ends both alike

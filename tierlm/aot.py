@@ -8,6 +8,12 @@ dtype, quantization and group size, batch, cache length, CompileConfig, torch, t
 and tierlm's own model code. A package is written into a temporary folder and renamed into place, built
 under a lock so that processes asking for one key at once build it once; one that is truncated, or whose
 recorded CPU features are not this CPU's, is rebuilt with a warning, never loaded.
+
+Two kinds of step are packaged: generate's, over a StaticCache ("static"), and continuous batching's, over
+a SlotCache ("slots": the first rows of the batch's big cache, each row writing at its own slot). A slot
+step's inputs are the SlotCache's own tensors (`SlotCache.state()`): each layer's K/V as contiguous views
+of the big cache's first rows, which the package writes in place, and the rows' validity and slots, which
+it reads; the views and the big cache are never inputs of one call together.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from tierlm import cpu
 from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig
+from tierlm.generation.slots import SlotCache
 from tierlm.weights.files import commit_folder, file_identity, identity_key
 from tierlm.weights.gguf_cache import cache_root
 from tierlm.weights.temporaries import remove_stale_temporaries, temporary
@@ -39,7 +46,7 @@ log = logging.getLogger("tierlm")
 FORMAT = 1  # bump when what a package holds or how it is called changes
 PACKAGE = "step.pt2"
 # tierlm's sources that shape the exported graph: a package built from other code is another package.
-CODE = ("models", "quant.py", "cache.py", "aot.py")
+CODE = ("models", "quant.py", "cache.py", "aot.py", "generation/slots.py")
 MAX_LOADED = 4  # loaded packages a model keeps (each holds its own frozen weights), as it keeps static caches
 
 
@@ -110,14 +117,16 @@ def inductor_options(cc: CompileConfig, device: str) -> dict:
     return options
 
 
-def package_key(model, batch: int, cache_len: int, cc: CompileConfig) -> dict:
-    """Everything that changes a package's code, as a JSON-able dict (its digest names the folder)."""
+def package_key(model, batch: int, cache_len: int, cc: CompileConfig, step: str = "static") -> dict:
+    """Everything that changes a package's code, as a JSON-able dict (its digest names the folder).
+    step: "static" (a StaticCache's step) or "slots" (continuous batching's, over a SlotCache)."""
     device = str(model.device)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # persistent, per user
     config = dataclasses.asdict(cc)
     config["options"] = sorted((k, repr(v)) for k, v in (cc.options or {}).items())
     key = {
         "format": FORMAT,
+        "step": step,
         "checkpoint": checkpoint_identity(model.path),
         "dtype": str(model.dtype).removeprefix("torch."),
         "quantization": quantization(model.decoder),
@@ -153,11 +162,13 @@ class Package:
         return self.folder.name
 
     def describe(self) -> str:
-        """'batch 1, cache 512, bfloat16, int8' for listings and progress lines."""
+        """'batch 1, cache 512, bfloat16, int8' for listings and progress lines ('continuous batch 4, ...'
+        for continuous batching's step)."""
         key = self.manifest.get("key", {})
         quant = key.get("quantization", "?")
+        batch = "continuous batch" if key.get("step") == "slots" else "batch"
         parts = [
-            f"batch {key.get('batch', '?')}",
+            f"{batch} {key.get('batch', '?')}",
             f"cache {key.get('cache_len', '?')}",
             key.get("dtype", "?"),
         ]
@@ -225,20 +236,32 @@ def build_lock(root: Path) -> Iterator[None]:
 class _StepModule(torch.nn.Module):
     """The decode step as a module for torch.export: the cache's tensors are inputs it mutates in place."""
 
-    def __init__(self, decoder: torch.nn.Module, cache: StaticCache) -> None:
+    def __init__(self, decoder: torch.nn.Module, cache: StaticCache | SlotCache) -> None:
         super().__init__()
         self.decoder = decoder
         self.cache = cache
 
     def forward(self, tokens, positions, slots, *state):
         ones = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
-        with _swapped(self.cache, state):
-            logits = self.decoder(tokens, ones, positions=positions, cache=self.cache, slots=slots)
+        if isinstance(self.cache, SlotCache):  # a SlotCache over the inputs themselves
+            cache = SlotCache.over(state)
+            logits = self.decoder(tokens, ones, positions=positions, cache=cache, slots=slots)
+        else:
+            with _swapped(self.cache, state):
+                logits = self.decoder(tokens, ones, positions=positions, cache=self.cache, slots=slots)
         return logits[:, -1].float()
 
 
+def step_kind(cache) -> str:
+    """'slots' for continuous batching's SlotCache, else 'static'."""
+    return "slots" if isinstance(cache, SlotCache) else "static"
+
+
 def state_tensors(cache) -> list[torch.Tensor]:
-    """Every tensor the cache holds (keys, values, validity, ...), once each, in a stable order."""
+    """Every tensor the cache holds (keys, values, validity, ...), once each, in a stable order: a
+    SlotCache's are its views and row slots (`SlotCache.state()`), never the big cache behind them."""
+    if isinstance(cache, SlotCache):
+        return cache.state()
     seen: dict[int, torch.Tensor] = {}
     for _owner, _name, _index, t in _tensor_slots(cache):
         seen.setdefault(id(t), t)
@@ -278,7 +301,7 @@ def _assign(owner, name, index, tensor) -> None:
         getattr(owner, name)[index] = tensor
 
 
-def build(model, cache: StaticCache, cc: CompileConfig, key: dict, root: Path) -> Package:
+def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, root: Path) -> Package:
     """Export and compile the decode step for `cache`'s shape into the store (under its lock)."""
     device = str(model.device)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
@@ -326,7 +349,7 @@ def build(model, cache: StaticCache, cc: CompileConfig, key: dict, root: Path) -
 class PackagedStep:
     """A decode step loaded from a package: step(tokens, positions, slots, length) -> logits [b, vocab]."""
 
-    def __init__(self, runner, cache: StaticCache, package: Package, how: str) -> None:
+    def __init__(self, runner, cache: StaticCache | SlotCache, package: Package, how: str) -> None:
         self.runner, self.cache, self.package, self.how = runner, cache, package, how
         self.state = state_tensors(cache)
 
@@ -336,6 +359,12 @@ class PackagedStep:
 
     def explain(self) -> str:
         return f"compiled step: {self.how}"
+
+    def progress(self, i: int, n: int, seconds: float) -> str:
+        """'[i+1/n] batch 2, cache 512, float32: <path> (12.3 MB, 0.4 s)', `tierlm compile`'s line."""
+        size = self.package.path.stat().st_size
+        where = f"{self.package.describe()}: {self.package.path}"
+        return f"[{i + 1}/{n}] {where} ({size / 1e6:.1f} MB, {seconds:.1f} s)"
 
 
 class Packages:
@@ -348,18 +377,25 @@ class Packages:
 
     def applies(self, cc: CompileConfig, cache=None) -> bool:
         """Whether this model's step for `cc` (and `cache`) comes from a package: resident weights only
-        (they freeze), and a plain StaticCache (other caches, e.g. continuous batching's rows, alias its
-        tensors, which a package's inputs must not)."""
-        plain = cache is None or type(cache) is StaticCache
-        return applies(cc, self.model.device) and self.model.streamer is None and plain
+        (they freeze), and a plain StaticCache or continuous batching's SlotCache (whose rows hold no
+        sliding-window ring; other caches stay JIT). `cache` may be a cache's class, before it exists."""
+        kind = cache if isinstance(cache, type) else type(cache)  # a cache, or the class of one to come
+        if cache is None or kind is StaticCache:
+            known = True
+        else:
+            known = kind is SlotCache and not any(getattr(self.model.decoder, "sliding", ()))
+        return applies(cc, self.model.device) and self.model.streamer is None and known
 
-    def step(self, cache: StaticCache, cc: CompileConfig) -> PackagedStep:
+    def step(self, cache: StaticCache | SlotCache, cc: CompileConfig) -> PackagedStep:
         """The packaged step for `cache`'s shape: loaded when the store has it, else built, then loaded."""
-        key = package_key(self.model, cache.batch, cache.max_len, cc)
+        kind = step_kind(cache)
+        key = package_key(self.model, cache.batch, cache.max_len, cc, kind)
         name = digest(key)
         entry = self.loaded.pop(name, None)
         if entry is None:
-            entry = self._load_or_build(key, f"batch {cache.batch}, cache {cache.max_len}", cache, cc)
+            batch = "continuous batch" if kind == "slots" else "batch"
+            what = f"{batch} {cache.batch}, cache {cache.max_len}"
+            entry = self._load_or_build(key, what, cache, cc)
             while len(self.loaded) >= MAX_LOADED:  # least recently used goes (a step in use keeps its own)
                 del self.loaded[next(iter(self.loaded))]
         self.loaded[name] = entry  # most recently used last
@@ -380,15 +416,11 @@ class Packages:
             cache = StaticCache(self.model.config, batch, cache_len, self.model.dtype, self.model.device)
             step = self.step(cache, cc)
             if report is not None:
-                size = step.package.path.stat().st_size
-                report(
-                    f"[{i + 1}/{len(batches)}] {step.package.describe()}: {step.package.path} "
-                    f"({size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)"
-                )
+                report(step.progress(i, len(batches), time.perf_counter() - start))
             steps.append(step)
         return steps
 
-    def _load_or_build(self, key: dict, what: str, cache: StaticCache, cc: CompileConfig):
+    def _load_or_build(self, key: dict, what: str, cache, cc: CompileConfig):
         start = time.perf_counter()
         package = find(key, self.root)
         runner = _try_load(package) if package is not None else None

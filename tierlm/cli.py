@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--compile", action="store_true")
     serve.add_argument("--compile-scope", choices=("model", "layer"))
+    add_compile_mode_arg(serve)
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument(
         "--batching",
@@ -361,6 +362,8 @@ def cmd_serve(args) -> int:
     model = load_model(args)
     if (cc := compile_config(args)) is not None and getattr(args, "batching", "static") == "static":
         prepare_served_packages(model, cc, args.max_batch_size)
+    elif cc is not None:  # the continuous worker loads or builds its packaged steps as it starts
+        model.use_compiled_packages()
     run_server(
         model,
         args.host,

@@ -6,17 +6,25 @@ its prefill is the same computation as a solo run's, and its decode steps differ
 slots the attention reads. Work comes in units, as `Generation.advance()`: a prefill chunk of a joining
 sequence (the joining sequences take turns, chunk by chunk), or one decode step of every decoding row;
 the two alternate while both are due.
+
+A compiled batch decodes at power-of-two row counts (1, 2, 4, ... up to its slots). When the model's
+whole steps come from packages (`Model.use_compiled_packages`, tierlm.aot), `prepare()` sizes the cache
+once for the longest request it expects and loads (or builds) the packaged step of each row count, so a
+server does its compiling, if any, before it answers; other steps are compiled by torch.compile when first
+used.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from tierlm.cache import bucket_length
-from tierlm.compile import CompileDecision, decide, warn_if_skipped
+from tierlm.compile import CompileConfig, CompileDecision, decide, warn_if_skipped
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob
@@ -84,6 +92,7 @@ class SlotBatch:
         self.cache, self.length = None, 0
         self.decision: CompileDecision | None = None
         self._views: dict[int, tuple[SlotCache, object]] = {}
+        self.steps: dict[int, str] = {}  # rows -> how its compiled step came to be (a package, or JIT)
         self._decode_next = False
         self.stats: Counter[str] = Counter()
 
@@ -96,6 +105,27 @@ class SlotBatch:
         return decide(
             model.device_map, kind, self.config, uncompilable=model.uncompilable_reasons(), device=device
         ).compile
+
+    @property
+    def packaged(self) -> bool:
+        """Whether the compiled steps come from AOT packages (tierlm.aot), not from torch.compile."""
+        packages = getattr(self.model, "packages", None)
+        cc = self.config.compile_config or CompileConfig()
+        return self._compiles() and packages is not None and packages.applies(cc, SlotCache)
+
+    def prepare(self, needed: int, report: Callable[[str], None] | None = None) -> None:
+        """Before any request (a server's start-up): size the cache for `needed` slots and, when the steps
+        come from packages, load (or build) the step of every row count the batch decodes at, 1, 2, 4, ...
+        up to its slots, with one `report` line each (as `tierlm compile` prints them)."""
+        self._ensure_length(needed)
+        if not (self.decision.compile and self.packaged):
+            return
+        sizes = [1 << i for i in range(self.slots.bit_length())]
+        for i, size in enumerate(sizes):
+            start = time.perf_counter()
+            _cache, step = self._view(size)
+            if report is not None:
+                report(step.progress(i, len(sizes), time.perf_counter() - start))
 
     def free_rows(self) -> list[int]:
         return [i for i, r in enumerate(self.rows[: self.capacity]) if r is None]
@@ -157,6 +187,7 @@ class SlotBatch:
             cache.valid[:, : self.length] = old.valid
         self.cache, self.length = cache, length
         self._views.clear()
+        self.steps.clear()
         self.decision = decide(
             self.model.device_map,
             SlotCache(cache, self.slots),
@@ -259,8 +290,12 @@ class SlotBatch:
         """The SlotCache over the first `size` rows and its decode step (compiled if decide() said so)."""
         if size not in self._views:
             cache = SlotCache(self.cache, size)
-            if self.decision.compile:
+            if self.decision.compile and self.packaged:  # its inputs are this SlotCache's own tensors
+                step = self.model.packages.step(cache, self.config.compile_config or CompileConfig())
+                self.steps[size] = step.how
+            elif self.decision.compile:
                 step = self.model.compiled_step(cache, self.config.compile_config)
+                self.steps[size] = "torch.compile (JIT), compiled on first use"
             else:
                 step = self.model.eager_step(cache)
             self._views[size] = (cache, step)

@@ -59,14 +59,31 @@ class SlotCache:
     is_compileable = True
 
     def __init__(self, cache: StaticCache, rows: int) -> None:
-        self.cache, self.batch, self.max_len = cache, rows, cache.max_len
-        self.keys = [k[:rows] for k in cache.keys]
-        self.values = [v[:rows] for v in cache.values]
-        self.valid = cache.valid[:rows]
-        self.row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
-        torch._dynamo.mark_static_address(self.row_slots)
-        self.limit = cache.max_len
-        self.views = [SlotLayerView(k, v, self.row_slots) for k, v in zip(self.keys, self.values)]
+        row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
+        torch._dynamo.mark_static_address(row_slots)
+        keys, values = [k[:rows] for k in cache.keys], [v[:rows] for v in cache.values]
+        self._hold(keys, values, cache.valid[:rows], row_slots)
+        self.cache = cache
+
+    @classmethod
+    def over(cls, state) -> SlotCache:
+        """A SlotCache over the tensors `state()` lists (a packaged step's inputs), with no big cache."""
+        layers = (len(state) - 2) // 2
+        cache = cls.__new__(cls)
+        cache._hold(list(state[:layers]), list(state[layers : 2 * layers]), state[-2], state[-1])
+        cache.cache = None
+        return cache
+
+    def _hold(self, keys, values, valid: torch.Tensor, row_slots: torch.Tensor) -> None:
+        self.batch, self.max_len = valid.shape
+        self.keys, self.values, self.valid, self.row_slots = keys, values, valid, row_slots
+        self.limit = self.max_len
+        self.views = [SlotLayerView(k, v, row_slots) for k, v in zip(keys, values)]
+
+    def state(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes: keys and values per layer (contiguous views of the
+        first rows of the big cache, written in place), validity and each row's slot (read only)."""
+        return [*self.keys, *self.values, self.valid, self.row_slots]
 
     def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
         return self.valid[:, : self.limit]  # this step's tokens are seen at the scratch column

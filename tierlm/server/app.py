@@ -62,8 +62,10 @@ def build_app(
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     if batching == "continuous" and any(getattr(getattr(model, "decoder", None), "sliding", ())):
         batching = "static"  # rows of one cache at different positions: not with a sliding-window ring
+    # The continuous worker sizes its cache at start-up for a request of default_max_tokens (tierlm.aot).
+    extra = {"default_max_tokens": default_max_tokens} if batching == "continuous" else {}
     scheduler = schedulers[batching](
-        model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config
+        model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config, **extra
     )
 
     @asynccontextmanager

@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 from tierlm.generation.continuous import Sequence, SlotBatch, Update
-from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler
+from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler, logger
 
 
 class ContinuousScheduler(Scheduler):
     """A Scheduler whose worker keeps one batch of `max_batch_size` rows (padded to a power of two when the
     decode step compiles): a queued request takes free rows at once, its prefill runs in chunks between
-    the decode steps of the rows already running, and each row leaves as soon as it finishes."""
+    the decode steps of the rows already running, and each row leaves as soon as it finishes.
+
+    When its compiled steps come from AOT packages (`Model.use_compiled_packages`), `start()` sizes the
+    batch's cache for a request of `default_max_tokens` and loads (or builds) the packaged step of every
+    row count before it returns, so the server reports healthy only once it can decode without compiling.
+    """
 
     batching = "continuous"
 
+    def __init__(self, model, *, default_max_tokens: int = 1024, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self.default_max_tokens = default_max_tokens
+        self._batch: SlotBatch | None = None
+
+    def start(self) -> None:
+        if self._thread is None and not self._stopped and self._batch is None:
+            self._batch = self._new_batch(report=logger.info)
+        super().start()
+
     def _work(self) -> None:
-        batch = self._new_batch()
+        batch = self._batch or self._new_batch()
         while batch.busy or self._wait_for_pending():
             self._join(batch)
             if not batch.busy:
@@ -30,8 +45,17 @@ class ContinuousScheduler(Scheduler):
             self._cancel_leavers(batch)
             self._record_stats(batch)
 
-    def _new_batch(self) -> SlotBatch:
-        return SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
+    def _new_batch(self, report=None) -> SlotBatch:
+        batch = SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
+        if batch.packaged:  # its cache starts at the length its packages are for (loaded once, then reused)
+            needed = min(self.default_max_tokens, self.context)
+            if report is not None:
+                sizes = ", ".join(str(1 << i) for i in range(batch.slots.bit_length()))
+                report(f"compiled steps for continuous batches of {sizes} rows, cache for {needed} tokens:")
+            batch.prepare(needed, report)
+            with self._cond:
+                self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
+        return batch
 
     def _join(self, batch: SlotBatch) -> None:
         """Move queued requests into free rows, oldest first, while their n choices fit."""
@@ -90,3 +114,5 @@ class ContinuousScheduler(Scheduler):
         with self._cond:
             for key in ("joined_running_batch", "left_running_batch", "decode_steps", "prefill_chunks"):
                 self._stats[key] = batch.stats[key]
+            if batch.steps:  # rows -> "loaded package <key> (...)", "built package ...", or JIT
+                self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
