@@ -192,6 +192,21 @@ def test_streamed_weights_are_never_frozen_nor_captured_in_cuda_graphs():
     assert not d.compile and "records CUDA graphs" in d.reasons[0]
 
 
+def test_a_resident_layer_body_on_cuda_records_no_cuda_graphs():
+    """The layer body replays once per layer in a step; a CUDA graph's replay would overwrite the output
+    of the layer before (seen on an H200): layer scope defaults to mode "default" on CUDA, and an explicit
+    CUDA-graph mode with it is refused with the reason, while the whole step keeps reduce-overhead."""
+    gpu = normalized({"": 0})
+    layer = decide(gpu, "static", STATIC.replace(compile_config=CompileConfig(scope="layer")))
+    assert layer.compile and layer.config.resolved_mode(layer.device) == "default"
+    assert not CompileConfig(scope="layer").compile_kwargs("cuda:0")["options"].get("triton.cudagraphs")
+    whole = decide(gpu, "static", STATIC)
+    assert whole.compile and CompileConfig().resolved_mode(whole.device) == "reduce-overhead"
+    graphs = STATIC.replace(compile_config=CompileConfig(scope="layer", mode="reduce-overhead"))
+    refused = decide(gpu, "static", graphs)
+    assert not refused.compile and "overwrites the output" in refused.reasons[0]
+
+
 def test_offload_still_needs_a_static_cache_and_a_compilable_model():
     d = decide(HALF, "dynamic", LAYER, uncompilable=("int4 weights",))
     assert d.reasons == (

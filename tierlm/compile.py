@@ -26,8 +26,8 @@ SCOPES = ("model", "layer")
 class CompileConfig:
     """How the decode step is compiled with torch.compile.
 
-    mode None means "reduce-overhead" on CUDA; on CPU "max-autotune-no-cudagraphs" for scope "model"
-    (inductor's C++ GEMM kernels on frozen, prepacked weights: 120 tok/s bf16 on the default model
+    mode None means "reduce-overhead" on CUDA for scope "model" ("default" for scope "layer", which CUDA
+    graphs cannot serve); on CPU "max-autotune-no-cudagraphs" for scope "model" (inductor's C++ GEMM kernels on frozen, prepacked weights: 120 tok/s bf16 on the default model
     against 57 with mode "default", for a ~2 min compile instead of ~50 s; see DESIGN.md) and "default"
     for scope "layer". freezing None means on for CPU (weights become graph constants and are prepacked;
     only scope "model" freezes, and only resident models get it, so no streamed weight is ever frozen).
@@ -67,8 +67,8 @@ class CompileConfig:
     def resolved_mode(self, device: str) -> str:
         if self.mode is not None:
             return self.mode
-        if device.startswith("cuda"):
-            return "reduce-overhead"
+        if device.startswith("cuda"):  # a layer body runs once per layer in a step: see LAYER_GRAPHS
+            return "reduce-overhead" if self.scope == "model" else "default"
         return "max-autotune-no-cudagraphs" if self.scope == "model" else "default"
 
     def compile_kwargs(self, device: str) -> dict[str, Any]:
@@ -125,6 +125,10 @@ class CompileDecision:
 FELL_BACK = "scope 'model' fell back to 'layer'"
 # Modes that record CUDA graphs: a graph replays fixed weight addresses, streamed weights arrive at new ones.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+LAYER_GRAPHS = (
+    "one layer body runs once per layer in a step, and each replay of a CUDA graph overwrites the output "
+    "of the one before (the input of this layer); use mode='default' or 'max-autotune-no-cudagraphs'"
+)
 
 
 def decide(
@@ -161,11 +165,14 @@ def decide(
     if cc is None:  # the seed's behaviour: offload without consent runs eagerly, silently
         reasons.extend(_where(offloaded, "is offloaded to", "are offloaded to"))
     reasons.extend(uncompilable)
-    if offloaded and cc is not None and device.startswith("cuda") and cc.mode in CUDA_GRAPH_MODES:
-        reasons.append(
-            f"mode {cc.mode!r} records CUDA graphs, which cannot take weights that stream in; "
-            "use mode='default' or 'max-autotune-no-cudagraphs'"
-        )
+    if cc is not None and device.startswith("cuda") and cc.mode in CUDA_GRAPH_MODES:
+        if offloaded:
+            reasons.append(
+                f"mode {cc.mode!r} records CUDA graphs, which cannot take weights that stream in; "
+                "use mode='default' or 'max-autotune-no-cudagraphs'"
+            )
+        elif cc.scope == "layer":
+            reasons.append(f"mode {cc.mode!r} with scope 'layer': {LAYER_GRAPHS}")
     if reasons:
         return CompileDecision(False, tuple(reasons), device, layers=layers, config=cc)
     if not offloaded:

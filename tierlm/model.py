@@ -182,6 +182,8 @@ class Model:
                 )
                 return logits[:, -1].float()
 
+            if cc.scope == "model" and self.device.type == "cuda":
+                _static_addresses(cache)
             compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
             freezing = bool(kwargs.get("options", {}).get("freezing"))
             what = (
@@ -194,6 +196,15 @@ class Model:
                 compiled, cache, freezing, cc.scope == "model", what
             )
         return compiled  # keyed by (batch, length, dtype) like static caches, so its cache is `cache`
+
+
+def _static_addresses(cache) -> None:
+    """Tell dynamo that the cache's tensors keep their addresses: the step writes them in place, and
+    CUDA graphs (reduce-overhead) are skipped for a graph that mutates inputs not known to be static."""
+    for value in vars(cache).values():
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t)
 
 
 class _CompiledStep:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -41,6 +39,9 @@ class Decoder(nn.Module):
         self.sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
         self.local_cos: torch.Tensor | None = None
         self.local_sin: torch.Tensor | None = None
+        # Gemma scales embeddings by sqrt(hidden_size) rounded to the activations' dtype; computed here, as
+        # plain floats per dtype, so a compiled forward reads a constant and never traces the rounding.
+        self.embed_scales = {dt: embed_scale(cfg.hidden_size, dt) for dt in FLOAT_DTYPES}
 
     def fuse_projections(self, skip: tuple[str, ...] = ()) -> None:
         """Fuse q/k/v and gate/up of every layer not under a `skip` prefix (offloaded layers stay apart)."""
@@ -123,9 +124,10 @@ class Decoder(nn.Module):
             ropes = (rope, (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)))
         x = self.model.embed_tokens(input_ids)
         if cfg.family.embed_scale:
-            x = x * embed_scale(cfg.hidden_size, x.dtype)
+            x = x * self.embed_scales[x.dtype]
         for i, layer in enumerate(self.model.layers):
-            r, m = ropes[self.sliding[i]], masks[self.sliding[i]]
+            kind = 1 if self.sliding[i] else 0  # an int: dynamo (torch 2.11) rejects a bool index
+            r, m = ropes[kind], masks[kind]
             if layer_fn is None:
                 x = layer(x, r, m, cache, slots)
             else:  # one compiled layer body for every layer; each gets its own view of the cache
@@ -165,7 +167,9 @@ def attention_mask_4d(
     return ((key_valid[:, None, :] & causal[None]) | own[None]).unsqueeze(1)
 
 
-@functools.cache
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden_size) rounded to `dtype`, as HF Gemma scales embeddings (55.4256 -> 55.5 in bf16)."""
-    return float(torch.tensor(hidden_size**0.5).to(dtype))
+    return float(torch.tensor(hidden_size**0.5, device="cpu").to(dtype))  # also under a meta device
