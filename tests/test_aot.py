@@ -345,25 +345,24 @@ def slot_config(**kw) -> GenerationConfig:
 
 @pytest.fixture(scope="module")
 def slot_store(tiny, tmp_path_factory):
-    """A store holding continuous batching's packaged steps at 1 and 2 rows (built here, once), and the
-    progress lines the build reported."""
+    """A store warmed by `tierlm compile --serve --max-batch-size 2`: continuous batching's packaged steps
+    at 1 and 2 rows, built once; (store, stdout, stderr)."""
     store = tmp_path_factory.mktemp("slot-store")
-    model = tierlm.load(tiny, dtype="float32")
-    model.use_compiled_packages(store / "aot")
-    lines: list[str] = []
-    batch = SlotBatch(model, SLOT_ROWS, slot_config())
-    batch.prepare(SLOT_NEEDED, lines.append)
-    return store, lines, dict(batch.steps)
+    args = ["compile", "--serve", "--max-batch-size", str(SLOT_ROWS), "--compile-mode", "default"]
+    out, err = finish(tierlm_cli(*args, "--model", str(tiny), "--dtype", "float32", env=cli_env(store)))
+    return store, out, err
 
 
-def test_slot_steps_are_built_once_per_row_count(slot_store, model):
-    store, lines, steps = slot_store
-    assert sorted(steps) == [1, 2] and all(how.startswith("built package") for how in steps.values())
-    assert [line.split("]")[0] for line in lines] == ["[1/2", "[2/2"]
-    assert "continuous batch 1, cache 513, float32" in lines[0] and "MB" in lines[0]
+def test_compile_for_serve_builds_one_slot_step_per_row_count(slot_store, model):
+    store, out, err = slot_store
+    assert err.count("tierlm: compiled step: built package") == 2, err
+    lines = out.strip().splitlines()
+    assert [line.split("]")[0] for line in lines[1:]] == ["[1/2", "[2/2"], out
+    assert "continuous batch 1, cache 513, float32" in lines[1] and "MB" in lines[1]
     for rows in (1, 2):  # keyed apart from generate's static steps of the same shape
         key = aot.package_key(model, rows, 513, CC, "slots")
-        assert key["step"] == "slots" and aot.find(key, store / "aot") is not None
+        package = aot.find(key, store / "aot")
+        assert key["step"] == "slots" and package is not None and str(package.path) in out
         assert aot.digest(key) != aot.digest(aot.package_key(model, rows, 513, CC))
     assert len(list((store / "aot").iterdir())) == 2
 
@@ -397,7 +396,7 @@ def run_slot_batch(model) -> tuple[dict, SlotBatch]:
 
 
 def test_packaged_slot_steps_equal_the_jit_continuous_steps_as_rows_join_and_leave(slot_store, tiny):
-    store, _lines, _steps = slot_store
+    store, _out, _err = slot_store
     packaged_model = tierlm.load(tiny, dtype="float32")
     packaged_model.use_compiled_packages(store / "aot")
     packaged, batch = run_slot_batch(packaged_model)
@@ -419,7 +418,7 @@ def free_port() -> int:
 def test_served_compiled_continuous_batching_loads_its_packages_without_compiling(slot_store, tiny):
     """`tierlm serve --compile` (continuous batching) in a new process on a warm store: healthy with its
     steps loaded, not compiled; concurrent requests (more than its rows) get the eager solo tokens."""
-    store, _lines, _steps = slot_store
+    store, _out, _err = slot_store
     port = free_port()
     args = ["serve", "--model", str(tiny), "--dtype", "float32", "--compile", "--compile-mode", "default"]
     proc = tierlm_cli(

@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 512, what a prompt under 256 tokens with --max-new-tokens 256 uses)",
     )
     add_compile_mode_arg(comp)
+    comp.add_argument(
+        "--serve",
+        action="store_true",
+        help="build what `tierlm serve --compile` loads as it starts, for the same --max-batch-size and "
+        "--batching (instead of --batch-sizes and --cache-len)",
+    )
+    comp.add_argument("--max-batch-size", type=int, default=8, help="with --serve: serve's (default: 8)")
+    comp.add_argument("--batching", choices=("continuous", "static"), default="continuous")
 
     cache = sub.add_parser("cache", help="list or clear tierlm's cache folder ($TIERLM_CACHE_DIR)")
     cache.add_argument(
@@ -443,7 +451,17 @@ def cmd_compile(args) -> int:
         raise ValueError(
             f"--cache-len {args.cache_len} exceeds the model's context of {model.config.max_position_embeddings}"
         )
-    model.packages.prepare(batches, args.cache_len, cc, report=print)
+    static = args.batching == "static" or any(model.decoder.sliding)  # as build_app serves sliding windows
+    if args.serve and static:
+        prepare_served_packages(model, cc, args.max_batch_size)
+    elif args.serve:  # the continuous worker's steps, as it prepares them at start-up
+        from tierlm.generation.config import GenerationConfig
+        from tierlm.server.continuous import ContinuousScheduler
+
+        config = GenerationConfig(compile_config=cc)
+        ContinuousScheduler(model, max_batch_size=args.max_batch_size, base_config=config).prepare(print)
+    else:
+        model.packages.prepare(batches, args.cache_len, cc, report=print)
     return 0
 
 

@@ -25,8 +25,13 @@ class ContinuousScheduler(Scheduler):
 
     def start(self) -> None:
         if self._thread is None and not self._stopped and self._batch is None:
-            self._batch = self._new_batch(report=logger.info)
+            self.prepare(report=logger.info)
         super().start()
+
+    def prepare(self, report=None) -> None:
+        """Make the worker's batch now: with packaged steps, load (or build) them, one `report` line each
+        (`start()` does this before the worker runs; `tierlm compile --serve` only this)."""
+        self._batch = self._new_batch(report)
 
     def _work(self) -> None:
         batch = self._batch or self._new_batch()
