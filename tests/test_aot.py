@@ -458,3 +458,22 @@ def test_served_compiled_continuous_batching_loads_its_packages_without_compilin
     assert stats["joined_running_batch"] >= 1 and stats["max_batch_size_seen"] == SLOT_ROWS
     eager = tierlm.load(tiny, dtype="float32")
     assert texts == [eager.generate(p, max_new_tokens=n).texts[0] for p, n in jobs]  # EOS ends both alike
+
+
+def test_a_later_continuous_batch_adopts_the_models_jit_step_and_decodes_its_own_rows(tiny):
+    """The JIT path beside the packages: the model keeps one torch.compile'd step per shape, bound to the
+    first batch's SlotCache; a later batch on the model (the server's worker makes one after a failed step)
+    adopts that view, so the step reads the row slots this batch writes and its tokens are its own."""
+    model = tierlm.load(tiny, dtype="float32")
+    config = GenerationConfig(compile_config=CompileConfig(scope="layer"), do_sample=False)
+    prompts = ([5, 17, 99, 230, 41], [7, 8, 9, 10, 11, 12, 13])
+    for prompt in prompts:
+        batch = SlotBatch(model, SLOT_ROWS, config)
+        batch.join(Sequence("A", prompt, config.replace(max_new_tokens=N, min_new_tokens=N)))
+        tokens = []
+        while batch.busy:
+            tokens += [u.token for u in batch.advance() if u.token is not None]
+        assert batch.steps == {1: "torch.compile (JIT), compiled on first use"}
+    assert len(model._compiled) == 1  # both batches ran the one step the model keeps for 1 row
+    eager = model.generate(torch.tensor([prompts[1]]), max_new_tokens=N, min_new_tokens=N).token_ids[0]
+    assert tokens == eager

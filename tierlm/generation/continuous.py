@@ -294,12 +294,24 @@ class SlotBatch:
                 step = self.model.packages.step(cache, self.config.compile_config or CompileConfig())
                 self.steps[size] = step.how
             elif self.decision.compile:
-                step = self.model.compiled_step(cache, self.config.compile_config)
-                self.steps[size] = "torch.compile (JIT), compiled on first use"
+                cache, step = self._jit_step(cache, size)
             else:
                 step = self.model.eager_step(cache)
             self._views[size] = (cache, step)
         return self._views[size]
+
+    def _jit_step(self, cache: SlotCache, size: int):
+        """(view, step) of the model's torch.compile'd step for `size` rows. The model keeps one such step
+        per shape, bound to the cache it was first built for: an earlier batch's SlotCache over this same
+        big cache is adopted as this batch's view (its row slots are the ones the step reads); a step bound
+        to any other cache would decode someone else's rows, so this batch decodes eagerly instead."""
+        step = self.model.compiled_step(cache, self.config.compile_config)
+        bound = getattr(step, "cache", cache)
+        if bound is cache or (isinstance(bound, SlotCache) and bound.cache is self.cache):
+            self.steps[size] = "torch.compile (JIT), compiled on first use"
+            return bound, step
+        self.steps[size] = "eager: the model's compiled step for this shape is bound to another cache"
+        return cache, self.model.eager_step(cache)
 
     def _emit(self, row: int, token: int, logprob, prompt_lp=None) -> Update:
         r = self.rows[row]
