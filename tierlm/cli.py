@@ -368,7 +368,7 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address:
         return serve_replicas(args)
     model = load_model(args)
-    if (cc := compile_config(args)) is not None and getattr(args, "batching", "static") == "static":
+    if (cc := compile_config(args)) is not None and served_statically(model, args.batching):
         prepare_served_packages(model, cc, args.max_batch_size)
     elif cc is not None:  # the continuous worker loads or builds its packaged steps as it starts
         model.use_compiled_packages()
@@ -385,6 +385,12 @@ def cmd_serve(args) -> int:
 
 
 SERVED_MAX_TOKENS = 1024  # what a chat request that names no max_tokens gets (build_app's default)
+
+
+def served_statically(model, batching: str) -> bool:
+    """Whether the server's static worker serves `model`: asked for, or a sliding-window model (build_app
+    serves those statically: rows of one ring cache at different positions cannot share it)."""
+    return batching == "static" or any(model.decoder.sliding)
 
 
 def prepare_served_packages(model, cc, max_batch_size: int) -> None:
@@ -451,7 +457,7 @@ def cmd_compile(args) -> int:
         raise ValueError(
             f"--cache-len {args.cache_len} exceeds the model's context of {model.config.max_position_embeddings}"
         )
-    static = args.batching == "static" or any(model.decoder.sliding)  # as build_app serves sliding windows
+    static = served_statically(model, args.batching)
     if args.serve and static:
         prepare_served_packages(model, cc, args.max_batch_size)
     elif args.serve:  # the continuous worker's steps, as it prepares them at start-up
@@ -459,7 +465,9 @@ def cmd_compile(args) -> int:
         from tierlm.server.continuous import ContinuousScheduler
 
         config = GenerationConfig(compile_config=cc)
-        ContinuousScheduler(model, max_batch_size=args.max_batch_size, base_config=config).prepare(print)
+        scheduler = ContinuousScheduler(model, max_batch_size=args.max_batch_size, base_config=config)
+        if not scheduler.prepare(print):
+            raise ValueError("this model's continuous batches do not compile here: no package to build")
     else:
         model.packages.prepare(batches, args.cache_len, cc, report=print)
     return 0

@@ -159,7 +159,9 @@ class Model:
         cc = compile_config or CompileConfig()
         if self.streamer is not None:  # a whole step cannot take streamed weights: as decide() says
             cc = streamed_config(cc, str(self.device))
-        key = (cc, cache.batch, cache.max_len, self.dtype)
+        # A step closes over its cache: a static cache's step and a continuous batch's (SlotCache) of one
+        # shape read different tensors and must never be taken for each other.
+        key = (cc, cache.batch, cache.max_len, self.dtype, type(cache).__name__)
         compiled = self._compiled.get(key)
         if compiled is None and self.packages is not None and self.packages.applies(cc, cache):
             self._compiled[key] = compiled = self.packages.step(cache, cc)  # loaded, or built once

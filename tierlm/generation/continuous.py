@@ -10,8 +10,10 @@ the two alternate while both are due.
 A compiled batch decodes at power-of-two row counts (1, 2, 4, ... up to its slots). When the model's
 whole steps come from packages (`Model.use_compiled_packages`, tierlm.aot), `prepare()` sizes the cache
 once for the longest request it expects and loads (or builds) the packaged step of each row count, so a
-server does its compiling, if any, before it answers; other steps are compiled by torch.compile when first
-used.
+server does its compiling, if any, before it answers. A request longer than that cache grows it, and the
+packaged steps of the new length are then loaded or built when first used, on the worker (every running row
+waits for a cold build: `tierlm compile --serve` builds the start-up lengths only). Without packages,
+compiled steps are compiled by torch.compile when first used.
 """
 
 from __future__ import annotations

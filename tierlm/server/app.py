@@ -67,6 +67,10 @@ def build_app(
     scheduler = schedulers[batching](
         model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config, **extra
     )
+    if batching == "continuous" and getattr(model, "packages", None) is not None:
+        # Load or build the packaged steps now, not in uvicorn's lifespan: a failed build is then the CLI's
+        # one-line error (not a traceback and exit 3), and Ctrl-C stops a cold build.
+        scheduler.prepare(report=logger.info)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

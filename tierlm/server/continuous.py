@@ -28,13 +28,15 @@ class ContinuousScheduler(Scheduler):
             self.prepare(report=logger.info)
         super().start()
 
-    def prepare(self, report=None) -> None:
+    def prepare(self, report=None) -> dict[int, str]:
         """Make the worker's batch now: with packaged steps, load (or build) them, one `report` line each
-        (`start()` does this before the worker runs; `tierlm compile --serve` only this)."""
+        (`start()` does this before the worker runs; `tierlm compile --serve` only this). Returns how each
+        row count's compiled step came to be (empty when nothing compiles)."""
         self._batch = self._new_batch(report)
+        return dict(self._batch.steps)
 
     def _work(self) -> None:
-        batch = self._batch or self._new_batch()
+        batch, self._batch = self._batch or self._new_batch(), None  # a failed step's batch is not kept
         while batch.busy or self._wait_for_pending():
             self._join(batch)
             if not batch.busy:
