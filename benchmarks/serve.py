@@ -197,9 +197,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def bench(server: Server, args) -> dict[int, dict]:
     out = {}
+    # One warm-up round per server (its first batches, its compiles), not one per load level.
+    status(f"  {server.name}: warm-up (2 clients)")
+    asyncio.run(one_round(server, 2, args))
     for clients in args.clients:
-        status(f"  {server.name}: {clients} clients, warm-up")
-        asyncio.run(one_round(server, clients, args))
         rounds = []
         for run in range(args.runs):
             status(f"  {server.name}: {clients} clients, run {run + 1}/{args.runs}")
