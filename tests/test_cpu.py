@@ -81,3 +81,22 @@ def test_widened_prefill_agrees_with_bf16_prefill(tiny_checkpoints, family):
     tolerance = 2**-5 * logits[False].abs().max().item()  # 8 bf16 ulps, as in tests/agreement.py
     torch.testing.assert_close(logits[True], logits[False], atol=tolerance, rtol=0)
     assert_greedy_agrees(runs[False], runs[True], "bfloat16")
+
+
+def test_a_decode_step_of_many_rows_widens_small_weights_only():
+    """An eager decode step of WIDE_ROWS rows or more is a matrix-matrix product, widened like prefill where
+    bf16 is not native; not fewer rows (a memory-bound matrix-vector product), not a weight whose fp32 copy
+    would leave the cache (a real vocabulary's LM head), not without `widen`; the result agrees with bf16."""
+    from tierlm.models.layers import WIDE_FP32_BYTES, WIDE_ROWS, linear
+
+    small = torch.randn(96, 64).to(torch.bfloat16)
+    big = torch.zeros(WIDE_FP32_BYTES // 4 // 64 + 1, 64, dtype=torch.bfloat16)
+    rows = torch.randn(WIDE_ROWS, 1, 64).to(torch.bfloat16)
+    with LinearDtypes() as seen:
+        widened = linear(rows, small, None, True)
+        linear(rows[: WIDE_ROWS - 1], small, None, True)
+        linear(rows, big, None, True)
+        plain = linear(rows, small, None, False)
+    assert [dtype for dtype, _ in seen.calls] == [torch.float32] + [torch.bfloat16] * 3
+    assert widened.dtype == torch.bfloat16
+    torch.testing.assert_close(widened.float(), plain.float(), atol=2**-5 * plain.abs().max().item(), rtol=0)

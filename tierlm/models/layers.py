@@ -86,16 +86,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+WIDE_ROWS = 4  # an eager decode step of at least this many rows is a matrix-matrix product too
+WIDE_FP32_BYTES = 8 * 2**20  # ... widened only where the weight's fp32 copy stays in the cache
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool) -> torch.Tensor:
-    """F.linear; with `widen`, a product of several tokens (prefill) runs in fp32 and returns x's dtype.
+    """F.linear; with `widen`, a product of several tokens per row (prefill), or an eager decode step of
+    WIDE_ROWS rows or more whose weight is small, runs in fp32 and returns x's dtype.
 
     On CPUs without native bf16 a bf16 matrix-vector product (decode) is memory-bound and fast, but
-    a bf16 matrix-matrix product has no fast kernel there: prefill of the default model measured 39-42
-    tok/s in bf16 against 113-251 widened (Zen 3, tierlm.cpu decides)."""
-    if widen and x.dim() > 2 and x.shape[-2] > 1:
+    a bf16 matrix-matrix product has no fast kernel there: its time grows with the rows. Prefill of the
+    default model measured 39-42 tok/s in bf16 against 113-251 widened; a 16-row decode product of a
+    1536x576 weight 5.3 ms against 1.9 widened, but of the 49152x576 LM head 111 ms against 176 (its fp32
+    copy, 113 MB, leaves the cache), hence WIDE_FP32_BYTES (Zen 3, tierlm.cpu decides). Compiled steps
+    never widen a decode step (inductor has its own bf16 kernels, and freezing would fold fp32 copies)."""
+    if widen and x.dim() > 2 and (x.shape[-2] > 1 or _wide_decode(x, weight)):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def _wide_decode(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1]
+    small = weight.numel() * 4 <= WIDE_FP32_BYTES
+    return rows >= WIDE_ROWS and small and not torch.compiler.is_compiling()
 
 
 class Linear(nn.Linear):
