@@ -136,11 +136,11 @@ class Model:
 
     def eager_step(self, cache):
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
-        static = isinstance(cache, StaticCache)
+        bounded = hasattr(cache, "limit")  # a StaticCache, or continuous batching's SlotCache over one
 
         def step(tokens, positions, slots, length):
-            if static:
-                cache.limit = length  # read only the slots in use
+            if bounded:
+                cache.limit = length  # read only the slots in use, not the whole cache
             return self.decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)[
                 :, -1
             ].float()
