@@ -272,3 +272,32 @@ def test_static_batching_answers_the_new_fields_as_continuous_does(http, tiny_di
         assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(
             b["logprobs"]["token_logprobs"][1:], abs=1e-4
         )
+
+
+def test_an_eager_continuous_step_reads_only_the_slots_in_use(tiny_dir, monkeypatch):
+    """The batch's cache is sized for the longest request it may hold; an eager decode step attends over
+    the slots its rows have written (up to the furthest row), as generate's steps do, not the whole cache."""
+    from tierlm.generation.continuous import Sequence, SlotBatch
+    from tierlm.models import layers
+
+    model = tierlm.load(tiny_dir, dtype="float32")
+    lengths: list[int] = []
+    attend = layers.grouped_attention
+
+    def spy(q, k, v, mask, *args, **kwargs):
+        lengths.append(k.shape[2])
+        return attend(q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "grouped_attention", spy)
+    config = GenerationConfig(do_sample=False)
+    batch = SlotBatch(model, 4, config)
+    prompts = [model.tokenizer.encode(p) for p in ("Hello there", "A much longer prompt than the first one")]
+    for i, prompt in enumerate(prompts):
+        batch.join(Sequence(i, prompt, config.replace(max_new_tokens=200, min_new_tokens=200)))
+    while batch.waiting:
+        batch.advance()
+    lengths.clear()
+    for _ in range(3):
+        batch.advance()
+    furthest = max(len(p) for p in prompts) + 3
+    assert lengths and max(lengths) <= furthest + 1 < batch.length
