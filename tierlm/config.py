@@ -1,5 +1,6 @@
-"""ModelConfig: the shape of a decoder, from an HF config.json or GGUF metadata, and the table of
-supported families. No torch here."""
+"""ModelConfig: the shape of a decoder, from an HF config.json or GGUF metadata. No torch here.
+
+The table of supported families is tierlm.families."""
 
 from __future__ import annotations
 
@@ -8,67 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierlm.families import FULL, GGUF_SLIDING_PATTERN, MODEL_TYPES, SLIDING, Family, family_for
+
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-# --- families: what differs between the supported decoders, as data keyed by HF architecture names ---
-
-
-@dataclass(frozen=True)
-class Family:
-    """Structural traits of one decoder family."""
-
-    name: str
-    qkv_bias: bool | None  # None: follow config.json's `attention_bias`
-    o_bias: bool | None  # None: follow config.json's `attention_bias`
-    qk_norm: bool  # RMSNorm over head_dim on q and k before rotary (Qwen3)
-    gguf_permuted_qk: bool  # llama.cpp's converter permuted q/k rows for this family
-    # Gemma 3 traits (models/gemma3.py holds the code they select):
-    gemma_norms: bool = False  # RMSNorm scales by (1 + weight) in fp32; four norms per layer
-    activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (GeGLU)
-    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (rounded to the weights' dtype)
-    layer_kinds: bool = False  # per-layer sliding/full attention (`layer_types`), two rotary bases
-
-
-FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("llama", None, None, qk_norm=False, gguf_permuted_qk=True),
-    "MistralForCausalLM": Family("mistral", False, False, qk_norm=False, gguf_permuted_qk=True),
-    "Qwen2ForCausalLM": Family("qwen2", True, False, qk_norm=False, gguf_permuted_qk=False),
-    "Qwen3ForCausalLM": Family("qwen3", None, None, qk_norm=True, gguf_permuted_qk=False),
-    "Gemma3ForCausalLM": Family(
-        "gemma3",
-        None,
-        None,
-        qk_norm=True,
-        gguf_permuted_qk=False,
-        gemma_norms=True,
-        activation="gelu_tanh",
-        embed_scale=True,
-        layer_kinds=True,
-    ),
-}
-
-# HF `model_type` (config.json) and GGUF `general.architecture` -> HF architecture name.
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",  # GGUF general.architecture
-}
-
-SLIDING, FULL = "sliding_attention", "full_attention"  # HF `layer_types` values
-GGUF_SLIDING_PATTERN = 6  # Gemma 3 GGUFs list no layer types: every sixth layer is global (llama.cpp, HF)
-
-
-def family_for(architecture: str) -> Family:
-    """The Family of an HF architecture name, or a clear error listing the supported ones."""
-    try:
-        return FAMILIES[architecture]
-    except KeyError:
-        supported = ", ".join(FAMILIES)
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}") from None
 
 
 @dataclass(frozen=True)
@@ -231,8 +174,8 @@ class ModelConfig:
         if arch_name not in MODEL_TYPES:
             supported = ", ".join(MODEL_TYPES)
             raise ValueError(f"unsupported GGUF architecture {arch_name!r}; supported: {supported}")
-        keys = {k.removeprefix(f"{arch_name}."): v for k, v in meta.items() if k.startswith(f"{arch_name}.")}
         prefix = f"{arch_name}."
+        keys = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
 
         def count(key: str, default: int = _REQUIRED) -> int:
             return positive_int(keys, key, default, prefix)
@@ -244,19 +187,11 @@ class ModelConfig:
         if keys.get("rope.scaling.type") == "linear":
             scaling = RopeScaling("linear", factor=positive_float(keys, "rope.scaling.factor", 1.0, prefix))
         head_dim = count("attention.key_length", count("rope.dimension_count", hidden // num_heads))
-        kinds: dict[str, Any] = {}
-        if family_for(MODEL_TYPES[arch_name]).layer_kinds:
-            # llama.cpp's reading: every sixth layer global, a local base of 10000, and scores scaled by
-            # head_dim ** -0.5 (what query_pre_attn_scalar is for every released size but 27B).
-            n = count("block_count")
-            kinds = {
-                "layer_types": tuple(SLIDING if (i + 1) % GGUF_SLIDING_PATTERN else FULL for i in range(n)),
-                "sliding_window": count("attention.sliding_window"),
-                "rope_local_theta": 10000.0,
-                "query_pre_attn_scalar": float(head_dim),
-                "attn_logit_softcapping": _optional_positive(keys, "attn_logit_softcapping"),
-                "final_logit_softcapping": _optional_positive(keys, "final_logit_softcapping"),
-            }
+        kinds = (
+            _gguf_layer_kinds(keys, prefix, head_dim)
+            if family_for(MODEL_TYPES[arch_name]).layer_kinds
+            else {}
+        )
         return cls(
             architecture=MODEL_TYPES[arch_name],
             vocab_size=positive_int({"vocab_size": vocab}, "vocab_size", prefix=prefix),
@@ -278,6 +213,20 @@ class ModelConfig:
             torch_dtype=None,
             **kinds,
         )
+
+
+def _gguf_layer_kinds(keys: dict[str, Any], prefix: str, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's per-layer fields from GGUF keys, as llama.cpp reads them: every sixth layer global, a local
+    base of 10000, and scores scaled by head_dim ** -0.5 (query_pre_attn_scalar of every size but 27B)."""
+    n = positive_int(keys, "block_count", prefix=prefix)
+    return {
+        "layer_types": tuple(SLIDING if (i + 1) % GGUF_SLIDING_PATTERN else FULL for i in range(n)),
+        "sliding_window": positive_int(keys, "attention.sliding_window", prefix=prefix),
+        "rope_local_theta": 10000.0,
+        "query_pre_attn_scalar": float(head_dim),
+        "attn_logit_softcapping": _optional_positive(keys, "attn_logit_softcapping"),
+        "final_logit_softcapping": _optional_positive(keys, "final_logit_softcapping"),
+    }
 
 
 def _architecture(raw: dict[str, Any]) -> str:
