@@ -1,0 +1,7 @@
+"""`python -m tierlm.cli`."""
+
+import sys
+
+from tierlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""`tierlm generate` and `tierlm chat`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tierlm.cli.common import generation_config, load_model, status, use_packages
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("empty prompt: give one as an argument or on stdin")
+    config = generation_config(args)
+    model = load_model(args)
+    use_packages(model, config)
+    if args.chat or args.system:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes its own special tokens (Gemma's <bos>): as the server does, add none
+        prompt = model.tokenizer.encode(text, add_special_tokens=False)
+    gen = model.start([prompt], config)
+    if args.explain:
+        from tierlm import cpu
+
+        status(f"tierlm: cpu: {cpu.detect().describe()}")
+        status(f"tierlm: {gen.decision.explain()}")
+        if hasattr(gen.step, "explain"):  # a step loaded from a package says which one
+            status(f"tierlm: {gen.step.explain()}")
+    for _row, delta, _finished, _reason in gen.stream():
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = gen.result()
+    if args.json:
+        print(json.dumps(result_json(result)))
+    else:
+        sys.stdout.write("\n")
+        s = result.stats
+        status(
+            f"tierlm: {s.new_tokens} tokens, prefill {s.prefill_seconds:.2f} s, {s.decode_tokens_per_s:.1f} tok/s"
+        )
+    return 0
+
+
+def result_json(result) -> dict:
+    s = result.stats
+    return {
+        "text": result.texts[0],
+        "token_ids": result.token_ids[0],
+        "finish_reason": result.finish_reasons[0],
+        "stats": {
+            "prompt_tokens": s.prompt_tokens,
+            "new_tokens": s.new_tokens,
+            "prefill_seconds": s.prefill_seconds,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
+            "cache": s.cache,
+            "compiled": s.compile.compile,
+            "compile_reasons": list(s.compile.reasons),
+        },
+    }
+
+
+def cmd_chat(args) -> int:
+    config = generation_config(args)
+    model = load_model(args)
+    use_packages(model, config)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        text = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        prompt = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        reply = []
+        for _row, delta, _f, _r in model.start([prompt], config).stream():
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})

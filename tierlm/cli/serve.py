@@ -1,0 +1,131 @@
+"""`tierlm serve` (one process, or Ray Serve replicas) and `tierlm compile` (what serve --compile loads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tierlm.cli.common import compile_config, load_model, placement_kwargs, status
+
+
+def cmd_serve(args) -> int:
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.server import run_server
+
+    if args.replicas is not None or args.ray_address:
+        return serve_replicas(args)
+    model = load_model(args)
+    if (cc := compile_config(args)) is not None and served_statically(model, args.batching):
+        prepare_served_packages(model, cc, args.max_batch_size)
+    elif cc is not None:  # the continuous worker loads or builds its packaged steps as it starts
+        model.use_compiled_packages()
+    run_server(
+        model,
+        args.host,
+        args.port,
+        max_batch_size=args.max_batch_size,
+        api_key=args.api_key,
+        generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
+        batching=args.batching,
+    )
+    return 0
+
+
+SERVED_MAX_TOKENS = 1024  # what a chat request that names no max_tokens gets (build_app's default)
+
+
+def served_statically(model, batching: str) -> bool:
+    """Whether the server's static worker serves `model`: asked for, or a sliding-window model (build_app
+    serves those statically: rows of one ring cache at different positions cannot share it)."""
+    return batching == "static" or any(model.decoder.sliding)
+
+
+def prepare_served_packages(model, cc, max_batch_size: int) -> None:
+    """serve --compile: find or build the whole-step package of each batch the server compiles (1, 2, 4, ...
+    up to max_batch_size; it rounds batches up to a power of two) at the cache length of a chat request
+    with the default max tokens, before the server reports healthy. Other lengths build on first use."""
+    from tierlm.cache import bucket_length
+
+    model.use_compiled_packages()
+    if not model.packages.applies(cc):
+        return
+    batches = [1 << i for i in range((max_batch_size - 1).bit_length() + 1)]
+    length = bucket_length(SERVED_MAX_TOKENS + 1, model.config.max_position_embeddings)
+    status(f"tierlm: compiled steps for batches {', '.join(map(str, batches))} at cache length {length}:")
+    model.packages.prepare(batches, length, cc, report=lambda line: status(f"tierlm: {line}"))
+
+
+def serve_replicas(args) -> int:
+    """`serve --replicas N`: the same server as N Ray Serve replicas, each loading the model itself."""
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.server import ray_app
+
+    ray_app.import_ray()  # a missing extra is the first thing to say
+    if args.model and not Path(args.model).exists():
+        raise FileNotFoundError(f"model not found: {args.model}")
+    cc = compile_config(args)
+    spec = ray_app.ReplicaSpec(
+        load_kwargs={
+            "path": args.model,
+            "dtype": args.dtype,
+            "device": args.device,
+            **placement_kwargs(args),
+        },
+        app_kwargs={
+            "max_batch_size": args.max_batch_size,
+            "api_key": args.api_key,
+            "generation_config": GenerationConfig(compile_config=cc) if cc else None,
+            "batching": args.batching,
+        },
+        cpus=args.replica_cpus,
+        gpus=args.replica_gpus,
+    )
+    replicas = 1 if args.replicas is None else args.replicas
+    status(f"tierlm: starting {replicas} replica(s) on {args.ray_address or 'a local Ray instance'} ...")
+    ray_app.serve_replicas(replicas, spec, ray_address=args.ray_address, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from tierlm.compile import CompileConfig
+
+    batches = _batch_sizes(args.batch_sizes)
+    if args.cache_len < 1:
+        raise ValueError(f"--cache-len must be >= 1, got {args.cache_len}")
+    model = load_model(args)
+    cc = CompileConfig(mode=args.compile_mode)
+    model.use_compiled_packages()
+    if not model.packages.applies(cc):
+        raise ValueError(
+            f"tierlm compile builds the whole step of a model resident on the CPU; this one runs on "
+            f"{model.device}{' with offloaded weights' if model.streamer is not None else ''}"
+        )
+    if args.cache_len > model.config.max_position_embeddings:
+        raise ValueError(
+            f"--cache-len {args.cache_len} exceeds the model's context of {model.config.max_position_embeddings}"
+        )
+    static = served_statically(model, args.batching)
+    if args.serve and static:
+        prepare_served_packages(model, cc, args.max_batch_size)
+    elif args.serve:  # the continuous worker's steps, as it prepares them at start-up
+        from tierlm.generation.config import GenerationConfig
+        from tierlm.server.continuous import ContinuousScheduler
+
+        config = GenerationConfig(compile_config=cc)
+        scheduler = ContinuousScheduler(model, max_batch_size=args.max_batch_size, base_config=config)
+        if not scheduler.prepare(print):
+            raise ValueError("this model's continuous batches do not compile here: no package to build")
+    else:
+        model.packages.prepare(batches, args.cache_len, cc, report=print)
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes must be comma-separated integers such as 1,2,4,8, got {text!r}"
+        ) from None
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"--batch-sizes must all be >= 1, got {text!r}")
+    return list(dict.fromkeys(sizes))
