@@ -8,33 +8,33 @@ answers `/health` and `/stats` itself by asking every replica (`DeploymentHandle
 validation, errors and streaming are the single-process server's own; what Ray adds is which replica answers
 (the `x-tierlm-replica` header), a 503 when that replica dies under a request, and replacing it.
 
-Ray is optional (`pip install 'tierlm[ray]'`): this module imports it only inside functions, and nothing
-imports this module unless `--replicas` is given, so the single-process server never needs it.
+The replica is ray_replica.py, the router ray_router.py; this module holds what every replica is given
+(`ReplicaSpec`), the placement check, and the application's lifetime (start Ray, deploy, drain, stop).
+
+Ray is optional (`pip install 'tierlm[ray]'`): these modules import it only inside functions, and nothing
+imports them unless `--replicas` is given, so the single-process server never needs it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import math
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from tierlm.server.errors import GuardMiddleware, error_body
+# Re-exported: the header that names the replica which answered, and its value on the router's own answers.
+from tierlm.server.ray_replica import REPLICA_HEADER as REPLICA_HEADER
+from tierlm.server.ray_replica import TierlmReplica
+from tierlm.server.ray_router import BROADCAST_TIMEOUT_S, TierlmRouter
+from tierlm.server.ray_router import ROUTER_NAME as ROUTER_NAME
 
 logger = logging.getLogger("tierlm.server")
 
 APP_NAME = "tierlm"
 ROUTER, REPLICA = "TierlmRouter", "TierlmReplica"
-REPLICA_HEADER = "x-tierlm-replica"
-ROUTER_NAME = "router"  # the header's value on answers the router gives itself (health, stats, its errors)
-BROADCAST_TIMEOUT_S = 5.0  # a replica that does not answer /health or /stats within this counts as down
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # requests and chunks are small; Ray's default takes 30% of RAM
 # Ray Serve's own switch for lower per-request overhead (user code and the handle's router on the replica's
 # event loop, buffered request logs, gRPC between deployments): it halves the router's added latency here.
@@ -110,274 +110,6 @@ def check_resources(nodes: list[dict[str, float]], replicas: int, cpus: float, g
 
 def cluster_nodes(ray) -> list[dict[str, float]]:
     return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-
-
-# --- the replica: one model, its own worker, the single-process app in process -----------------------------
-
-
-class TierlmReplica:
-    """One model replica: `build_app(model)` driven in process; `handle_http` streams one HTTP exchange."""
-
-    async def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-        from ray import serve
-
-        from tierlm.model import load
-        from tierlm.server.app import build_app
-
-        torch.set_num_threads(spec.threads)
-        self.name = serve.get_replica_context().replica_id.unique_id
-        model = await asyncio.to_thread(load, **spec.load_kwargs)  # the replica's event loop stays responsive
-        self.app = build_app(model, **spec.app_kwargs)
-        self.scheduler = self.app.state.tierlm.scheduler
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()  # starts the worker thread, as uvicorn would
-        self._background: set[asyncio.Task] = set()
-        logger.info("replica %s serving (pid %d)", self.name, os.getpid())
-
-    async def handle_http(self, request: dict):
-        """Run one request through the app: yields {"status", "headers", "body", "more"} (the response's start
-        with its first body message: a JSON answer is one item), then the rest of the body chunk by chunk."""
-        body, sent = request.pop("body"), False
-        disconnected = asyncio.Event()
-        messages: asyncio.Queue = asyncio.Queue()
-
-        async def receive() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await disconnected.wait()
-            return {"type": "http.disconnect"}
-
-        scope = {
-            **request,
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "raw_path": request["path"].encode(),
-            "root_path": "",
-            "headers": [(bytes(k), bytes(v)) for k, v in request["headers"]],
-            "client": tuple(request["client"]) if request.get("client") else None,
-            "server": None,
-            "state": {},
-        }
-        task = asyncio.create_task(self.app(scope, receive, messages.put))
-        task.add_done_callback(lambda _t: messages.put_nowait(None))
-        head = None
-        try:
-            while (message := await messages.get()) is not None:
-                if message["type"] == "http.response.start":
-                    headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.name.encode())]
-                    head = {"status": message["status"], "headers": headers}
-                elif message["type"] == "http.response.body":
-                    more = bool(message.get("more_body"))
-                    if head is not None:
-                        yield {**head, "body": message.get("body", b""), "more": more}
-                        head = None
-                    elif message.get("body"):
-                        yield message["body"]
-                    if not more:
-                        break
-        finally:
-            disconnected.set()  # a client that went away (the router cancelled us) cancels its generation
-            self._background.add(task)
-            task.add_done_callback(self._settled)
-
-    def _settled(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug("request ended with %r (already answered by the app)", task.exception())
-
-    async def _get(self, path: str) -> tuple[int, dict]:
-        """GET `path` from the app in process: (status, JSON body)."""
-        request = {"method": "GET", "path": path, "query_string": b"", "headers": [], "body": b""}
-        request.update(scheme="http", http_version="1.1", client=None)
-        status, chunks = 500, []
-        async for item in self.handle_http(request):
-            if isinstance(item, dict):
-                status, item = item["status"], item["body"]
-            chunks.append(item)
-        return status, json.loads(b"".join(chunks) or b"{}")
-
-    async def replica_health(self) -> dict:
-        status, body = await self._get("/health")
-        return {**body, "replica": self.name, "healthy": status == 200}
-
-    async def replica_stats(self) -> dict:
-        _status, body = await self._get("/stats")
-        return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(), **body}
-
-    async def begin_drain(self, grace_s: float) -> None:
-        """Refuse new requests; those in flight have `grace_s` to finish, as in the single-process server."""
-        self.scheduler.begin_drain(grace_s)
-
-    async def __del__(self) -> None:
-        await self._lifespan.__aexit__(None, None, None)  # stops the worker thread
-
-
-# --- the router: the HTTP ingress ----------------------------------------------------------------------------
-
-
-def _unavailable_errors() -> tuple[type[BaseException], ...]:
-    """What a handle call raises when its replica died or cannot take requests: the client gets a 503."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-
-    return (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError)
-
-
-class TierlmRouter:
-    """The ingress: forwards each HTTP request to one replica, answers /health and /stats for all of them."""
-
-    def __init__(self, replicas, expected: int, api_key: str | None, max_body_bytes: int) -> None:
-        self.replicas, self.expected = replicas, expected
-        self.stream = replicas.options(stream=True)
-        self.api_key, self.max_body_bytes = api_key, max_body_bytes
-        self.unavailable = _unavailable_errors()
-        self.counts = {"requests": 0, "replica_failures": 0}
-
-    def __serve_build_asgi_app__(self):
-        return GuardMiddleware(self._asgi, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
-
-    async def _asgi(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["type"] != "http":
-            return
-        if scope["method"] == "GET" and scope["path"] == "/health":
-            status, body = await self.health()
-            await _send_json(send, status, body)
-        elif scope["method"] == "GET" and scope["path"] == "/stats":
-            await _send_json(send, 200, await self.stats())
-        else:
-            await self.forward(scope, receive, send)
-
-    async def _broadcast(self, method: str) -> list:
-        """Every live replica's answer to `method`; a replica that failed or timed out is left out."""
-        try:
-            results = await self.replicas.broadcast(method).results_async(
-                timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
-            )
-        except TimeoutError:
-            return []
-        return [r for r in results if isinstance(r, dict)]
-
-    async def health(self) -> tuple[int, dict]:
-        """200 only when `expected` replicas answer and every one is healthy."""
-        answers = await self._broadcast("replica_health")
-        healthy = [a for a in answers if a.get("healthy")]
-        if healthy and len(healthy) == len(answers) >= self.expected:
-            status = "ok"
-        elif any(a.get("status") == "shutting_down" for a in answers):
-            status = "shutting_down"
-        else:
-            status = "unavailable"
-        body = {
-            "status": status,
-            "model": next((a["model"] for a in answers if "model" in a), None),
-            "replicas": {a["replica"]: a.get("status") for a in answers},
-            "expected_replicas": self.expected,
-            "healthy_replicas": len(healthy),
-        }
-        return (200 if status == "ok" else 503), body
-
-    async def stats(self) -> dict:
-        answers = await self._broadcast("replica_stats")
-        return {
-            "replicas": {a["replica"]: a for a in answers},
-            "expected_replicas": self.expected,
-            "totals": aggregate_stats(answers),
-            "router": dict(self.counts),
-        }
-
-    async def forward(self, scope, receive, send) -> None:
-        self.counts["requests"] += 1
-        body = await _read_body(receive)
-        request = {
-            "method": scope["method"],
-            "path": scope["path"],
-            "query_string": scope.get("query_string", b""),
-            "headers": list(scope.get("headers", [])),
-            "scheme": scope.get("scheme", "http"),
-            "http_version": scope.get("http_version", "1.1"),
-            "client": scope.get("client"),
-            "body": body,
-        }
-        chunks = self.stream.handle_http.remote(request)
-        streaming, started = False, False
-        try:
-            head = await chunks.__anext__()
-            await send({"type": "http.response.start", "status": head["status"], "headers": head["headers"]})
-            started = True
-            streaming = any(
-                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                for k, v in head["headers"]
-            )
-            await send({"type": "http.response.body", "body": head["body"], "more_body": head["more"]})
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if head["more"]:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except self.unavailable as err:
-            self.counts["replica_failures"] += 1
-            message = f"the replica serving this request stopped ({type(err).__name__}); retry the request"
-            logger.warning("%s", message)
-            error = error_body(503, message, code="replica_unavailable")
-            if not started:
-                await _send_json(send, 503, error, {"retry-after": "1"})
-            elif streaming:  # the stream has begun: end it as the server ends streams it cannot finish
-                tail = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
-            else:
-                raise
-        finally:
-            chunks.cancel()  # a no-op when the stream ended; else (client gone) the replica stops generating
-
-
-async def _read_body(receive) -> bytes:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(parts)
-
-
-async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw += [(REPLICA_HEADER.encode(), ROUTER_NAME.encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-
-def aggregate_stats(replicas: list[dict]) -> dict:
-    """Counters summed over replicas (`max_*` ones take the maximum), counter tables merged key by key."""
-    totals: dict[str, Any] = {}
-    for stats in replicas:
-        for key, value in stats.items():
-            if key in ("pid", "cpu") or isinstance(value, bool):
-                continue
-            if isinstance(value, int):
-                totals[key] = (
-                    max(totals.get(key, value), value)
-                    if key.startswith("max_")
-                    else totals.get(key, 0) + value
-                )
-            elif isinstance(value, dict) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value.values()
-            ):
-                table = totals.setdefault(key, {})
-                for k, v in value.items():
-                    table[k] = table.get(k, 0) + v
-    return totals
 
 
 # --- the application and its lifetime --------------------------------------------------------------------------
