@@ -117,9 +117,10 @@ def test_plan_shows_tiers_streaming_and_decision():
 def test_plan_counts_quantized_weights_at_their_packed_size():
     from tierlm.plan import plan
 
-    *_, float_bytes, _, _ = plan(dtype="bfloat16")
-    *_, int4_bytes, _, quant = plan(dtype="bfloat16", quantize="int4")
-    assert quant == ("int4", 32)  # the default GGUF is Q4_1: its 32-wide blocks carry over
+    float_bytes = plan(dtype="bfloat16").module_bytes
+    int4_plan = plan(dtype="bfloat16", quantize="int4")
+    int4_bytes = int4_plan.module_bytes
+    assert int4_plan.quantization == ("int4", 32)  # the default GGUF is Q4_1: its 32-wide blocks carry over
     layer = "model.layers.0"
     # q/k/v/o/gate/up/down at 4.5 bits per weight (codes + bf16 scale and zero per 32) plus the float norms
     assert 0.25 < int4_bytes[layer] / float_bytes[layer] < 0.32

@@ -5,40 +5,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from tierlm import cpu
 from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig, streamed_config
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
+from tierlm.loading import execute
 from tierlm.models.decoder import Decoder, run_layer
-from tierlm.placement.offload import Streamer, Unit, canonical_strides
-from tierlm.placement.placer import (
-    Placement,
-    disk_sources,
-    kv_bytes_per_token,
-    offload_key,
-    parameter_table,
-    resolve,
-)
-from tierlm.tokenizer import Tokenizer
+from tierlm.placement.offload import Streamer, canonical_strides
+from tierlm.placement.placer import Placement
+from tierlm.plan import LoadPlan, plan
 from tierlm.weights import gguf_cache
-from tierlm.weights.gguf import GGUFCheckpoint
-from tierlm.weights.layout import transpose_resident, transposes_wide_weights, wide_weight_names
-from tierlm.weights.load import (
-    build_decoder,
-    default_gguf_dtype,
-    default_model_path,
-    open_checkpoint,
-    resolve_dtype,
-)
-from tierlm.weights.safetensors import SafetensorsCheckpoint
 
 log = logging.getLogger("tierlm")
 MAX_STATIC_CACHES = 4  # static caches (and their compiled steps) kept for reuse across generate calls
@@ -54,8 +36,10 @@ class Model:
         tokenizer=None,
         placement: Placement | None = None,
         streamer: Streamer | None = None,
+        plan: LoadPlan | None = None,
     ) -> None:
         self.decoder = decoder
+        self.plan = plan  # what load() planned and did (tierlm.plan.LoadPlan)
         self.path = path
         self.tokenizer = tokenizer
         self.placement = placement
@@ -268,120 +252,20 @@ def load(
     quantize: "int8" (per channel) or "int4" (groups of `group_size`; default 32 when the GGUF source is
     Q4_0/Q4_1, whose blocks then carry over exactly, else 64) weight-only quantization of every
     projection and the LM head.
+
+    The load is a LoadPlan (tierlm.plan, from the checkpoint's header) whose steps then run in order
+    (tierlm.loading); the model keeps it as `.plan`.
     """
-    path = Path(path) if path is not None else default_model_path()
-    device = torch.device(device)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
-    checkpoint, target, tokenizer = _open(path, dtype, device)
-    quant = (quantize, group_size or gguf_cache.default_int4_group(path)) if quantize is not None else None
-    names, sizes, tied = parameter_table(checkpoint.config, target, quant)
-    placement = resolve(
-        names,
-        sizes,
-        device_map,
-        max_memory,
-        str(device),
-        tied,
-        kv_bytes_per_token(checkpoint.config, target),
-        execution_device,
+    load_plan = plan(
+        path,
+        dtype=dtype,
+        device=device,
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
+        execution_device=execution_device,
+        quantize=quantize,
+        group_size=group_size,
     )
-    devices = {n: _param_device(placement, n) for n in names}
-    decoder = build_decoder(checkpoint, target, devices, progress, pin_cpu=placement.device.type == "cuda")
-    if target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill:
-        decoder.widen_prefill()
-    folder = Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload"
-    if quant is not None:  # resident linears now; offloaded ones as their units are built
-        _quantize(decoder, placement, *quant)
-    wide = frozenset()
-    if transposes_wide_weights(target, placement.device, quantize):
-        wide = frozenset(wide_weight_names(decoder, tied))
-        transpose_resident(decoder, wide)
-    streamer = _streamer(decoder, checkpoint, placement, target, folder, tied, quant, wide)
-    if not wide:  # fusing would change the sums of a transposed layout between placements
-        decoder.fuse_projections(skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"]))
-    return Model(decoder, path, tokenizer, placement, streamer)
-
-
-def _open(path: Path, dtype, device: torch.device):
-    """(checkpoint, target dtype, tokenizer). GGUF weights are dequantized once into a disk cache."""
-    if path.is_file() and path.suffix == ".gguf":
-        target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
-        try:
-            checkpoint = gguf_cache.ensure(path, target)
-        except OSError as e:
-            warnings.warn(
-                f"cannot cache dequantized GGUF weights ({e}); loading from the GGUF file", stacklevel=3
-            )
-            checkpoint = GGUFCheckpoint(path)
-        tokenizer = gguf_cache.open_cached_tokenizer(path)
-        if tokenizer is None:
-            tokenizer = Tokenizer.from_gguf(path)
-            gguf_cache.store_tokenizer(path, tokenizer)
-        return checkpoint, target, tokenizer
-    checkpoint = open_checkpoint(path)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return checkpoint, resolve_dtype(dtype, checkpoint, device), tokenizer
-
-
-def _quantize(decoder: Decoder, placement: Placement, mode: str, group_size: int) -> None:
-    from tierlm.quant import quantize_decoder
-
-    quantize_decoder(
-        decoder, mode, group_size, skip=tuple(placement.offloaded["cpu"] + placement.offloaded["disk"])
-    )
-
-
-def _param_device(placement: Placement, name: str):
-    tier = placement.tier_of(name)
-    if tier == "disk":
-        return "disk"
-    if tier == "cpu":
-        return torch.device("cpu")
-    return placement.device
-
-
-def _streamer(
-    decoder: Decoder,
-    checkpoint,
-    placement: Placement,
-    dtype,
-    folder: Path,
-    tied,
-    quant=None,
-    wide=frozenset(),
-) -> Streamer | None:
-    """Hooks that stream every offloaded unit's weights (packed ones when `quant` = (mode, group size));
-    None when everything is resident."""
-    if placement.resident:
-        return None
-    params = dict(decoder.named_parameters(remove_duplicate=False))
-    followers = {f: leader for leader, f in tied}
-    disk_names = [n for n in params if placement.tier_of(n) == "disk" and n not in followers]
-    disk = {}
-    if disk_names:
-        if not isinstance(checkpoint, SafetensorsCheckpoint):
-            raise ValueError(
-                "disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)"
-            )
-        disk = disk_sources(checkpoint, disk_names, dtype, folder, wide)
-    for follower, leader in followers.items():
-        if leader in disk:
-            disk[follower] = disk[leader]
-    units = []
-    for tier in ("cpu", "disk"):
-        for unit in placement.offloaded[tier]:
-            members = [n for n in params if n == unit or n.startswith(unit + ".")]
-            sources = {n[len(unit) + 1 :]: (disk[n] if tier == "disk" else params[n]) for n in members}
-            units.append(Unit(unit, tier, sources))
-    order = {name: i for i, name in enumerate(placement.module_map)}
-    units.sort(key=lambda u: order[u.name])
-    if quant is not None:
-        from tierlm.placement.quantized import quantize_units
-
-        names = sorted(n for n in params if placement.tier_of(n) == "disk")
-        key = offload_key(checkpoint, names) if isinstance(checkpoint, SafetensorsCheckpoint) else "resident"
-        identity = {"checkpoint": key, "dtype": str(dtype)}
-        packed = folder / f"{key}-{quant[0]}-g{quant[1]}-{placement.device.type}"
-        units = quantize_units(decoder, units, *quant, dtype, placement.device, packed, identity)
-    return Streamer(decoder, units, placement.device, placement.drop_disk_pages)
+    done = execute(load_plan, progress)
+    return Model(done.decoder, load_plan.path, done.tokenizer, load_plan.placement, done.streamer, load_plan)

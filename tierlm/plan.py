@@ -1,105 +1,219 @@
-"""`tierlm plan`: placement, streaming volume and the compile decision, from metadata only (no weights read)."""
+"""The load plan: everything `load()` will do, from the checkpoint's header and the arguments (no weight is
+read). `load()` executes one (tierlm.loading); `tierlm plan` prints one (`describe_plan`)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from tierlm import cpu
-from tierlm.compile import CompileConfig, decide
+from tierlm.compile import CompileConfig, CompileDecision, decide
+from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
+from tierlm.models.decoder import Decoder
+from tierlm.models.layers import FUSED_PROJECTIONS
 from tierlm.placement.device_map import format_bytes, format_modules
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
+from tierlm.weights.layout import transposes_wide_weights, wide_weight_names
 from tierlm.weights.load import default_gguf_dtype, default_model_path, open_checkpoint, resolve_dtype
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)$")
+
+# The load steps in the order they run (a plan lists those that apply); why each is where it is:
+STEP_ORDER = (
+    "open",  # the checkpoint reader and tokenizer (a GGUF file is dequantized into its cache here)
+    "build",  # every resident and cpu-tier tensor read once, to its device; disk-tier ones stay on meta
+    "widen_prefill",  # bf16 on a CPU without native bf16: prefill products widen to fp32 (tierlm.cpu)
+    "quantize",  # resident linears; before `stream`, which packs offloaded ones the same way
+    "transpose",  # fp32 CPU layout; before `stream`, whose disk sources are stored in the same layout
+    "stream",  # offloaded units hooked to a Streamer
+    "fuse",  # last: quantize and transpose replace the weights that fusion would make views of
+)
+
+
+class Quantization(NamedTuple):
+    mode: str  # "int8" or "int4"
+    group: int  # int4 group size
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What `load()` does with a checkpoint: the settings it resolves, where each weight goes, what it
+    streams and costs, and the steps it runs, in order. Two plans of the same inputs compare equal."""
+
+    path: Path
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device  # the device asked for; placement.device is where the forward runs
+    quantization: Quantization | None
+    placement: Placement
+    tied: tuple[tuple[str, str], ...]  # (leader, follower) parameter names sharing one tensor
+    module_bytes: dict[str, int]  # per module of the placement's map, at the planned dtype / packing
+    streamed_bytes: dict[str, int]  # per decoded token, by tier ("cpu", "disk")
+    kv_bytes_per_token: int  # K/V of one token of one sequence
+    widen_prefill: bool
+    transposed: frozenset[str]  # weights stored transposed (weights.layout)
+    fusion: tuple[tuple[str, tuple[str, ...]], ...]  # (module, its projections fused into one weight)
+    offload_folder: Path
+    decision: CompileDecision  # for a generate call with `cache` and `compile` as planned
+    steps: tuple[str, ...]  # from STEP_ORDER, in that order
 
 
 def plan(
     path: str | Path | None = None,
     *,
-    dtype: str = "auto",
-    device: str = "cpu",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
     device_map=None,
     max_memory=None,
-    cache: str = "static",
-    compile: bool = False,
+    offload_folder: str | Path | None = None,
+    execution_device: str | None = None,
     quantize: str | None = None,
     group_size: int | None = None,
-):
-    """(config, dtype, placement, sizes per module, compile decision) for a model, without its weights."""
+    cache: str = "static",
+    compile: bool = False,
+) -> LoadPlan:
+    """The LoadPlan of `load(path, ...)` with these arguments, from metadata only; `cache` and `compile`
+    choose the generate call its compile decision is for."""
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     dev = torch.device(device)
-    if path.is_file() and path.suffix == ".gguf":
-        target = default_gguf_dtype(dev) if dtype == "auto" else resolve_dtype(dtype, None, dev)
-        checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
-    else:
-        checkpoint = open_checkpoint(path)
-        target = resolve_dtype(dtype, checkpoint, dev)
-    cfg = checkpoint.config
+    cfg, target = _header(path, dtype, dev)
     quant = None
     if quantize is not None:
-        quant = (quantize, group_size or gguf_cache.default_int4_group(path))
+        quant = Quantization(quantize, group_size or gguf_cache.default_int4_group(path))
     names, sizes, tied = parameter_table(cfg, target, quant)
-    placement = resolve(names, sizes, device_map, max_memory, device, tied, kv_bytes_per_token(cfg, target))
+    kv = kv_bytes_per_token(cfg, target)
+    placement = resolve(names, sizes, device_map, max_memory, str(dev), tied, kv, execution_device)
     module_bytes = {
         m: sum(b for n, b in sizes.items() if n == m or n.startswith(m + ".")) for m in placement.module_map
     }
-    config = GenerationConfig(cache_implementation=cache, compile_config=CompileConfig() if compile else None)
-    decision = decide(
-        placement.module_map, cache, config, device=str(placement.device), layers=cfg.num_layers
+    with torch.device("meta"):
+        probe = Decoder(cfg)
+    transposed = frozenset()
+    if transposes_wide_weights(target, placement.device, quantize):
+        transposed = frozenset(wide_weight_names(probe, tied))
+    fusion = _fusion(probe, placement, quant, target, transposed)
+    widen = target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill
+    generation = GenerationConfig(
+        cache_implementation=cache, compile_config=CompileConfig() if compile else None
     )
-    return cfg, target, placement, module_bytes, decision, quant
+    device_str = str(placement.device)
+    return LoadPlan(
+        path=path,
+        config=cfg,
+        dtype=target,
+        device=dev,
+        quantization=quant,
+        placement=placement,
+        tied=tuple(tied),
+        module_bytes=module_bytes,
+        streamed_bytes={t: sum(module_bytes[m] for m in placement.offloaded[t]) for t in ("cpu", "disk")},
+        kv_bytes_per_token=kv_bytes_per_token(cfg, target, 1),
+        widen_prefill=widen,
+        transposed=transposed,
+        fusion=fusion,
+        offload_folder=Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload",
+        decision=decide(placement.module_map, cache, generation, device=device_str, layers=cfg.num_layers),
+        steps=_steps(widen, quant is not None, bool(transposed), not placement.resident, bool(fusion)),
+    )
+
+
+def _steps(*applies: bool) -> tuple[str, ...]:
+    """The steps of STEP_ORDER that run: "open" and "build" always, the others when they apply (in order)."""
+    return STEP_ORDER[:2] + tuple(s for s, on in zip(STEP_ORDER[2:], applies, strict=True) if on)
+
+
+def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch.dtype]:
+    """The config and the compute dtype, from the checkpoint's header (a GGUF's cached copy, if any)."""
+    if path.is_file() and path.suffix == ".gguf":
+        target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
+        checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
+        return checkpoint.config, target
+    checkpoint = open_checkpoint(path)
+    return checkpoint.config, resolve_dtype(dtype, checkpoint, device)
+
+
+def _fusion(
+    probe: Decoder, placement: Placement, quant, dtype, transposed
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per resident layer, each FUSED_PROJECTIONS group whose projections all stay float. None at all with
+    a transposed layout (fusing would change its sums between placements); offloaded units never fuse."""
+    if transposed:
+        return ()
+    offloaded = placement.offloaded["cpu"] + placement.offloaded["disk"]
+    table = []
+    for i in range(len(probe.model.layers)):
+        layer = f"model.layers.{i}"
+        if any(layer == u or layer.startswith(u + ".") or u.startswith(layer + ".") for u in offloaded):
+            continue
+        for parent, parts in FUSED_PROJECTIONS.items():
+            module = f"{layer}.{parent}"
+            if all(_stays_float(probe, f"{module}.{p}", quant, dtype, placement.device) for p in parts):
+                table.append((module, parts))
+    return tuple(table)
+
+
+def _stays_float(probe: Decoder, name: str, quant: Quantization | None, dtype, device: torch.device) -> bool:
+    """Whether quantization leaves this linear in float: as tierlm.quant.quantize_decoder does for an int4
+    shape or dtype its kernel cannot take."""
+    from tierlm.quant import check_int4_shape, mode_of, quantizes
+
+    if quant is None or not quantizes(name):
+        return True
+    if mode_of(name, quant.mode) == "int8":
+        return False
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return True
+    out_features, in_features = probe.get_submodule(name).weight.shape
+    try:
+        check_int4_shape(out_features, in_features, quant.group, device)
+    except ValueError:
+        return True
+    return False
 
 
 def describe_plan(path=None, **kwargs) -> str:
     """The plan as the text `tierlm plan` prints."""
-    cfg, dtype, placement, module_bytes, decision, quant = plan(path, **kwargs)
+    p = plan(path, **kwargs)
+    cfg, quant, placement = p.config, p.quantization, p.placement
     weights = (
-        f", {quant[0]} weights" + (f" (group {quant[1]})" if quant[0] == "int4" else "") if quant else ""
+        f", {quant.mode} weights" + (f" (group {quant.group})" if quant.mode == "int4" else "")
+        if quant
+        else ""
     )
     lines = [
-        f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, "
-        f"{str(dtype)[6:]}{weights})",
+        f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, {str(p.dtype)[6:]}{weights})",
         f"execution device: {placement.device}",
         f"cpu: {cpu.detect().describe()}",
         "",
         f"{'module':<28} {'tier':<8} {'bytes':>12}",
     ]
-    for names, tier, size in _runs(placement, module_bytes):
-        shown = (
-            "(tied to model.embed_tokens)"
-            if names == ["lm_head"] and cfg.tie_word_embeddings and not quant
-            else format_bytes(size)
-        )
+    for names, tier, size in _runs(placement, p.module_bytes):
+        tied = names == ["lm_head"] and cfg.tie_word_embeddings and not quant
+        shown = "(tied to model.embed_tokens)" if tied else format_bytes(size)
         lines.append(f"{format_modules(names):<28} {tier:<8} {shown:>12}")
     totals: dict[str, int] = {}
-    for module, size in module_bytes.items():
+    for module, size in p.module_bytes.items():
         tier = _tier(placement, module)
         totals[tier] = totals.get(tier, 0) + size
     lines += ["", "totals: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in totals.items())]
-    per_4k = kv_bytes_per_token(cfg, dtype, 4096) * 4096
+    per_4k = kv_bytes_per_token(cfg, p.dtype, 4096) * 4096
     window = f" (sliding layers keep {cfg.sliding_window} tokens)" if cfg.sliding_layers else ""
     lines.append(
-        f"kv cache per sequence: {format_bytes(kv_bytes_per_token(cfg, dtype, 1))} per token, "
+        f"kv cache per sequence: {format_bytes(p.kv_bytes_per_token)} per token, "
         f"{format_bytes(per_4k)} per 4k tokens{window}"
     )
-    streamed = {t: sum(module_bytes[m] for m in placement.offloaded[t]) for t in ("cpu", "disk")}
-    lines.append(
-        "streamed per token: "
-        + (
-            ", ".join(f"{format_bytes(b)} from {t}" for t, b in streamed.items() if b)
-            if any(streamed.values())
-            else "nothing (all weights resident)"
-        )
-    )
-    lines.append(decision.explain())
+    streamed = [f"{format_bytes(b)} from {t}" for t, b in p.streamed_bytes.items() if b]
+    lines.append("streamed per token: " + (", ".join(streamed) or "nothing (all weights resident)"))
+    lines.append(p.decision.explain())
     return "\n".join(lines)
 
 

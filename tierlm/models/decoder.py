@@ -7,7 +7,7 @@ from torch import nn
 
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
-from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, rope_tables
+from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, fuse_linears, rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
@@ -43,14 +43,12 @@ class Decoder(nn.Module):
         # plain floats per dtype, so a compiled forward reads a constant and never traces the rounding.
         self.embed_scales = {dt: embed_scale(cfg.hidden_size, dt) for dt in FLOAT_DTYPES}
 
-    def fuse_projections(self, skip: tuple[str, ...] = ()) -> None:
-        """Fuse q/k/v and gate/up of every layer not under a `skip` prefix (offloaded layers stay apart)."""
-        for i, layer in enumerate(self.model.layers):
-            name = f"model.layers.{i}"
-            if any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in skip):
-                continue
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+    def fuse(self, table: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+        """Fuse, for each (module, projections) of `table` (a LoadPlan's `fusion`, from FUSED_PROJECTIONS),
+        those projections into one weight the module multiplies by; the projections become views of it."""
+        for module, parts in table:
+            owner = self.get_submodule(module)
+            owner.fused = fuse_linears(*(getattr(owner, p) for p in parts))
 
     def unfuse_projections(self) -> None:
         """Run every layer on its separate projections (views of the fused weights), as offloaded layers do."""

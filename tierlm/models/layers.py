@@ -123,6 +123,12 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.widen)
 
 
+# Which projections fuse into one matmul, as data (nano-vllm's packed-modules mapping): under each layer's
+# module (key), its projections (in the order of the fused weight's rows) become one weight, `fused`, of
+# which each projection keeps a view under its HF name. Applied at load time (tierlm.loading, `fuse`).
+FUSED_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
 def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) for several nn.Linear with the same input; each keeps a view of its rows.
 
@@ -161,9 +167,6 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.widen = False  # the fused product's prefill in fp32, like Linear.widen
-
-    def fuse(self) -> None:
-        self.fused = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -219,9 +222,6 @@ class Attention(nn.Module):
         self.sliding = cfg.is_sliding(layer_idx)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.widen = False
-
-    def fuse(self) -> None:
-        self.fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:

@@ -1,0 +1,132 @@
+"""The LoadPlan: computed from headers alone, executed as planned by load(), printed by `tierlm plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import tierlm
+from tierlm import loading
+from tierlm.placement.device_map import format_bytes
+from tierlm.plan import STEP_ORDER, describe_plan, plan
+from tierlm.weights.safetensors import SafetensorsCheckpoint
+
+DISK_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
+
+
+def _garbage_copy(src, dst):
+    """The checkpoint with every weight byte overwritten (0xff: NaN in fp32); the header is intact."""
+    shutil.copytree(src, dst)
+    file = dst / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = b"\xff" * (len(data) - start)
+    file.write_bytes(bytes(data))
+    return dst
+
+
+def test_the_plan_reads_no_weights(tiny_checkpoints, tmp_path, monkeypatch):
+    src = tiny_checkpoints["llama"]
+    kwargs = dict(dtype="float32", device_map=DISK_MAP, quantize="int8", offload_folder=tmp_path / "off")
+    expected = plan(src, **kwargs)
+    garbage = _garbage_copy(src, tmp_path / "garbage")
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the plan read a weight")
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "load", refuse)
+    monkeypatch.setattr(SafetensorsCheckpoint, "load_mapped", refuse)
+    got = plan(garbage, **kwargs)
+    assert dataclasses.replace(got, path=src) == expected
+    assert got.steps == ("open", "build", "quantize", "stream")
+    assert got.streamed_bytes["disk"] > 0 and got.streamed_bytes["cpu"] == 0
+
+
+def test_the_plan_is_frozen_and_compares_by_value(tiny_checkpoints):
+    path = tiny_checkpoints["qwen2"]
+    p = plan(path, dtype="float32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.dtype = torch.bfloat16
+    assert p == plan(path, dtype="float32")
+    assert p != plan(path, dtype="bfloat16")
+    assert p.decision == plan(path, dtype="float32", compile=False).decision
+
+
+def _recorded_load(monkeypatch, path, **kwargs):
+    """load() with the names of the steps it ran, in order."""
+    ran = []
+    for name, step in list(loading.STEPS.items()):
+
+        def spy(p, state, name=name, step=step):
+            ran.append(name)
+            step(p, state)
+
+        monkeypatch.setitem(loading.STEPS, name, spy)
+    return tierlm.load(path, **kwargs), ran
+
+
+def _fused(model) -> set[str]:
+    return {n for n, m in model.decoder.named_modules() if getattr(m, "fused", None) is not None}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(dtype="float32"),  # fp32 on the CPU: wide weights transposed, so nothing fuses
+        dict(dtype="bfloat16"),  # resident: every layer fuses
+        dict(dtype="bfloat16", device_map=DISK_MAP),  # the streamed layer stays apart
+        dict(dtype="bfloat16", quantize="int4", group_size=32),  # quantized projections: nothing to fuse
+        dict(dtype="bfloat16", quantize="int4", group_size=128),  # in_features 64: int4 leaves them float
+    ],
+)
+def test_load_runs_the_plan_it_reports(tiny_checkpoints, tmp_path, monkeypatch, kwargs):
+    path = tiny_checkpoints["llama"]
+    kwargs = dict(kwargs, offload_folder=tmp_path / "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # int4 names the layers it leaves in float
+        model, ran = _recorded_load(monkeypatch, path, **kwargs)
+    expected = plan(path, **kwargs)
+    assert model.plan == expected
+    assert tuple(ran) == expected.steps and list(expected.steps) == [s for s in STEP_ORDER if s in ran]
+    assert _fused(model) == {module for module, _ in expected.fusion}
+    params = dict(model.decoder.named_parameters(remove_duplicate=False))
+    transposed = {n for n, p in params.items() if not p.is_meta and p.dim() == 2 and not p.is_contiguous()}
+    assert transposed == {n for n in expected.transposed if not params[n].is_meta}
+    quantized = {n for n, m in model.decoder.named_modules() if type(m).__name__.startswith("Int")}
+    assert bool(quantized) == ("quantize" in expected.steps)
+
+
+def test_the_fusion_table_follows_the_placement_and_quantization(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    resident = plan(path, dtype="bfloat16").fusion
+    assert [m for m, _ in resident] == [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("self_attn", "mlp")]
+    assert dict(resident)["model.layers.0.self_attn"] == ("q_proj", "k_proj", "v_proj")
+    assert [m for m, _ in plan(path, dtype="bfloat16", device_map=DISK_MAP).fusion] == [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+    ]
+    assert plan(path, dtype="bfloat16", quantize="int8").fusion == ()
+    assert plan(path, dtype="bfloat16", quantize="int4", group_size=32).fusion == ()
+    # in_features 64 is no multiple of 128: int4 leaves every projection in float, so they fuse as before
+    assert plan(path, dtype="bfloat16", quantize="int4", group_size=128).fusion == resident
+    assert plan(path, dtype="float32").fusion == ()  # transposed layout
+
+
+def test_tierlm_plan_prints_the_plan(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    kwargs = dict(dtype="float32", device_map=DISK_MAP, compile=True)
+    p, text = plan(path, **kwargs), describe_plan(path, **kwargs)
+    assert text.splitlines()[-1] == p.decision.explain()
+    assert f"streamed per token: {format_bytes(p.streamed_bytes['disk'])} from disk" in text
+    assert f"kv cache per sequence: {format_bytes(p.kv_bytes_per_token)} per token" in text
+    assert f"execution device: {p.placement.device}" in text

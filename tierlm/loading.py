@@ -1,0 +1,154 @@
+"""A LoadPlan executed: each name in `plan.steps` is a small function of (plan, Loading) run in that order;
+the order and why it holds are tierlm.plan.STEP_ORDER, not the order of the functions here."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierlm.models.decoder import Decoder
+from tierlm.placement.offload import Streamer, Unit
+from tierlm.placement.placer import Placement, disk_sources, offload_key
+from tierlm.plan import LoadPlan
+from tierlm.tokenizer import Tokenizer
+from tierlm.weights import gguf_cache
+from tierlm.weights.gguf import GGUFCheckpoint
+from tierlm.weights.layout import transpose_resident
+from tierlm.weights.load import build_decoder, open_checkpoint
+from tierlm.weights.safetensors import SafetensorsCheckpoint
+
+
+@dataclass
+class Loading:
+    """What the steps have made so far."""
+
+    progress: Callable[[int, int], None] | None = None
+    checkpoint: object = None
+    tokenizer: Tokenizer | None = None
+    decoder: Decoder | None = None
+    streamer: Streamer | None = None
+
+
+def execute(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> Loading:
+    """Run the plan's steps in order (progress: called with (tensors read, tensors) while building)."""
+    loading = Loading(progress)
+    for name in plan.steps:
+        STEPS[name](plan, loading)
+    return loading
+
+
+def open_step(plan: LoadPlan, loading: Loading) -> None:
+    """The checkpoint reader and the tokenizer. GGUF weights are dequantized once into a disk cache."""
+    path = plan.path
+    if not (path.is_file() and path.suffix == ".gguf"):
+        loading.checkpoint = open_checkpoint(path)
+        loading.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+        return
+    try:
+        loading.checkpoint = gguf_cache.ensure(path, plan.dtype)
+    except OSError as e:
+        warnings.warn(
+            f"cannot cache dequantized GGUF weights ({e}); loading from the GGUF file", stacklevel=5
+        )
+        loading.checkpoint = GGUFCheckpoint(path)
+    loading.tokenizer = gguf_cache.open_cached_tokenizer(path)
+    if loading.tokenizer is None:
+        loading.tokenizer = Tokenizer.from_gguf(path)
+        gguf_cache.store_tokenizer(path, loading.tokenizer)
+
+
+def build_step(plan: LoadPlan, loading: Loading) -> None:
+    placement = plan.placement
+    devices = {n: _param_device(placement, n) for n in placement.param_devices}
+    pin = placement.device.type == "cuda"
+    loading.decoder = build_decoder(loading.checkpoint, plan.dtype, devices, loading.progress, pin_cpu=pin)
+
+
+def _param_device(placement: Placement, name: str):
+    tier = placement.tier_of(name)
+    if tier == "disk":
+        return "disk"
+    if tier == "cpu":
+        return torch.device("cpu")
+    return placement.device
+
+
+def widen_prefill_step(plan: LoadPlan, loading: Loading) -> None:
+    loading.decoder.widen_prefill()
+
+
+def quantize_step(plan: LoadPlan, loading: Loading) -> None:
+    """Resident linears; offloaded ones are quantized as the `stream` step builds their units."""
+    from tierlm.quant import quantize_decoder
+
+    offloaded = tuple(plan.placement.offloaded["cpu"] + plan.placement.offloaded["disk"])
+    quantize_decoder(loading.decoder, *plan.quantization, skip=offloaded)
+
+
+def transpose_step(plan: LoadPlan, loading: Loading) -> None:
+    transpose_resident(loading.decoder, plan.transposed)
+
+
+def fuse_step(plan: LoadPlan, loading: Loading) -> None:
+    loading.decoder.fuse(plan.fusion)
+
+
+def stream_step(plan: LoadPlan, loading: Loading) -> None:
+    """Hooks that stream every offloaded unit's weights (packed ones when the plan quantizes)."""
+    decoder, checkpoint, placement = loading.decoder, loading.checkpoint, plan.placement
+    params = dict(decoder.named_parameters(remove_duplicate=False))
+    disk = _disk_sources(plan, checkpoint, params)
+    units = []
+    for tier in ("cpu", "disk"):
+        for unit in placement.offloaded[tier]:
+            members = [n for n in params if n == unit or n.startswith(unit + ".")]
+            sources = {n[len(unit) + 1 :]: (disk[n] if tier == "disk" else params[n]) for n in members}
+            units.append(Unit(unit, tier, sources))
+    order = {name: i for i, name in enumerate(placement.module_map)}
+    units.sort(key=lambda u: order[u.name])
+    if plan.quantization is not None:
+        units = _packed_units(plan, decoder, checkpoint, units, params)
+    loading.streamer = Streamer(decoder, units, placement.device, placement.drop_disk_pages)
+
+
+def _disk_sources(plan: LoadPlan, checkpoint, params: dict) -> dict[str, torch.Tensor]:
+    """Memory-mapped sources of the disk tier's parameters (a tied follower shares its leader's)."""
+    followers = {f: leader for leader, f in plan.tied}
+    names = [n for n in params if plan.placement.tier_of(n) == "disk" and n not in followers]
+    if not names:
+        return {}
+    if not isinstance(checkpoint, SafetensorsCheckpoint):
+        raise ValueError("disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)")
+    disk = disk_sources(checkpoint, names, plan.dtype, plan.offload_folder, plan.transposed)
+    for follower, leader in followers.items():
+        if leader in disk:
+            disk[follower] = disk[leader]
+    return disk
+
+
+def _packed_units(
+    plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit], params: dict
+) -> list[Unit]:
+    from tierlm.placement.quantized import quantize_units
+
+    placement, (mode, group) = plan.placement, plan.quantization
+    names = sorted(n for n in params if placement.tier_of(n) == "disk")
+    key = offload_key(checkpoint, names) if isinstance(checkpoint, SafetensorsCheckpoint) else "resident"
+    identity = {"checkpoint": key, "dtype": str(plan.dtype)}
+    packed: Path = plan.offload_folder / f"{key}-{mode}-g{group}-{placement.device.type}"
+    return quantize_units(decoder, units, mode, group, plan.dtype, placement.device, packed, identity)
+
+
+STEPS: dict[str, Callable[[LoadPlan, Loading], None]] = {
+    "open": open_step,
+    "build": build_step,
+    "widen_prefill": widen_prefill_step,
+    "quantize": quantize_step,
+    "transpose": transpose_step,
+    "stream": stream_step,
+    "fuse": fuse_step,
+}
