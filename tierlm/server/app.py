@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tierlm.server")
 
+LOG_LEVEL = "info"
+
 
 def default_model_name(model: Model) -> str:
     """The name clients address the model by: its file or folder name without a .gguf suffix."""
@@ -51,26 +53,55 @@ def build_app(
     `batching`: "continuous" (requests join and leave the running batch at every step) or "static" (a
     request that arrives while every running batch decodes waits for one to end).
     """
+    _check_servable(model, max_body_bytes, default_max_tokens)
+    scheduler = make_scheduler(
+        model,
+        batching,
+        max_batch_size=max_batch_size,
+        max_queue=max_queue,
+        base_config=generation_config,
+        default_max_tokens=default_max_tokens,
+    )
+    name = model_name or default_model_name(model)
+    app = FastAPI(title="tierlm", lifespan=_lifespan(scheduler, name), docs_url=None, redoc_url=None)
+    app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
+    app.include_router(router)
+    app.openapi = lambda: app.openapi_schema or _openapi_schema(app, name)
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+def _check_servable(model: Model, max_body_bytes: int, default_max_tokens: int) -> None:
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(
             "the server needs a model with a tokenizer (tokenizer.json or GGUF tokenizer metadata)"
         )
     if max_body_bytes < 1 or default_max_tokens < 1:
         raise ValueError("max_body_bytes and default_max_tokens must be >= 1")
+
+
+def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kwargs) -> Scheduler:
+    """The worker for `batching` ("continuous" or "static"; a sliding-window model is served statically), its
+    packaged steps loaded or built now when it compiles them. `kwargs`: max_batch_size, max_queue, base_config."""
     schedulers = {"continuous": ContinuousScheduler, "static": Scheduler}
     if batching not in schedulers:
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     if batching == "continuous" and any(getattr(getattr(model, "decoder", None), "sliding", ())):
         batching = "static"  # rows of one cache at different positions: not with a sliding-window ring
+    if batching == "static":
+        return Scheduler(model, **kwargs)
     # The continuous worker sizes its cache at start-up for a request of default_max_tokens (tierlm.aot).
-    extra = {"default_max_tokens": default_max_tokens} if batching == "continuous" else {}
-    scheduler = schedulers[batching](
-        model, max_batch_size=max_batch_size, max_queue=max_queue, base_config=generation_config, **extra
-    )
-    if batching == "continuous" and getattr(model, "packages", None) is not None:
+    scheduler = ContinuousScheduler(model, default_max_tokens=default_max_tokens, **kwargs)
+    if getattr(model, "packages", None) is not None:
         # Load or build the packaged steps now, not in uvicorn's lifespan: a failed build is then the CLI's
         # one-line error (not a traceback and exit 3), and Ctrl-C stops a cold build.
         scheduler.prepare(report=logger.info)
+    return scheduler
+
+
+def _lifespan(scheduler: Scheduler, name: str):
+    """The app's lifespan: the worker thread runs while it does."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -79,20 +110,13 @@ def build_app(
             "serving %s (%s batching, max_batch_size=%d, max_queue=%d)",
             name,
             scheduler.batching,
-            max_batch_size,
-            max_queue,
+            scheduler.max_batch_size,
+            scheduler.max_queue,
         )
         yield
         await asyncio.to_thread(scheduler.stop)
 
-    name = model_name or default_model_name(model)
-    app = FastAPI(title="tierlm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
-    app.include_router(router)
-    app.openapi = lambda: app.openapi_schema or _openapi_schema(app, name)
-    install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
-    return app
+    return lifespan
 
 
 def _openapi_schema(app: FastAPI, model_name: str) -> dict:
@@ -130,7 +154,7 @@ def make_server(
     port: int = 8000,
     *,
     shutdown_grace_s: float = 10.0,
-    log_level: str = "info",
+    log_level: str = LOG_LEVEL,
 ) -> DrainingServer:
     """A uvicorn server for an app from build_app(); `.run()` blocks, `.should_exit = True` stops it."""
     config = uvicorn.Config(
@@ -143,19 +167,13 @@ def make_server(
     return DrainingServer(config, app.state.tierlm.scheduler, shutdown_grace_s)
 
 
-def run_server(
-    model: Model,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    shutdown_grace_s: float = 10.0,
-    log_level: str = "info",
-    **app_kwargs,
-) -> None:
-    """Serve `model` until SIGINT/SIGTERM; `app_kwargs` go to build_app (model_name, max_batch_size, ...)."""
-    app = build_app(model, **app_kwargs)
-    _log_to_stderr(log_level)
-    make_server(app, host, port, shutdown_grace_s=shutdown_grace_s, log_level=log_level).run()
+def run_server(model: Model, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
+    """Serve `model` until SIGINT/SIGTERM. make_server's keywords (shutdown_grace_s, log_level) go to it, all
+    others to build_app (model_name, max_batch_size, ...)."""
+    server_kwargs = {key: kwargs.pop(key) for key in ("shutdown_grace_s", "log_level") if key in kwargs}
+    app = build_app(model, **kwargs)
+    _log_to_stderr(server_kwargs.get("log_level", LOG_LEVEL))
+    make_server(app, host, port, **server_kwargs).run()
 
 
 def _log_to_stderr(level: str) -> None:

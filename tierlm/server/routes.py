@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 
 from tierlm import cpu
 from tierlm.generation.config import GenerationConfig
-from tierlm.server.batcher import QueueFull, Request, Scheduler, ShuttingDown
+from tierlm.server.batcher import Scheduler
 from tierlm.server.errors import APIError
+from tierlm.server.events import QueueFull, Request, ShuttingDown
 from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
 from tierlm.server.schemas import (
     ChatCompletion,
@@ -88,6 +89,13 @@ def _documented(success: type, *statuses: int, stream: bool = False) -> dict:
     return out
 
 
+def _generation_route(path: str, answer: type):
+    """A POST route that generates: `answer` or its stream, and every error a generation can meet."""
+    return router.post(
+        path, response_model=None, responses=_documented(answer, 400, 401, 404, 413, 500, 503, stream=True)
+    )
+
+
 def _state(http: HTTPRequest) -> ServerState:
     return http.app.state.tierlm
 
@@ -127,14 +135,9 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
 
 
-@router.post(
-    "/v1/completions",
-    response_model=None,
-    responses=_documented(Completion, 400, 401, 404, 413, 500, 503, stream=True),
-)
+@_generation_route("/v1/completions", Completion)
 async def completions(body: CompletionRequest, http: HTTPRequest):
-    state = _state(http)
-    _check_common(state, body)
+    state = _checked_state(http, body)
     prompts = body.prompts()
     many = len(prompts) > 1
     rows, texts = [], []
@@ -154,41 +157,34 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     n = body.n or 1
     echo_logprobs = body.logprobs if body.echo else None
     configs = [_config(state, body, m, body.logprobs, echo_logprobs) for m in limits]
-    reply = Reply(
+    reply = _reply(
+        state,
+        body,
         chat=False,
-        model=state.model_name,
         prompt_tokens=sum(len(ids) for ids in rows),
-        include_usage=body.include_usage,
         choices=len(rows) * n,
         prompts=[(ids, text) for ids, text in zip(rows, texts) for _ in range(n)],
         echo=bool(body.echo),
         top=body.logprobs,
-        tokenizer=state.model.tokenizer,
     )
     return await _respond(state, http, body, rows, configs, reply)
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=None,
-    responses=_documented(ChatCompletion, 400, 401, 404, 413, 500, 503, stream=True),
-)
+@_generation_route("/v1/chat/completions", ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-    state = _state(http)
-    _check_common(state, body)
+    state = _checked_state(http, body)
     ids = await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body)
     max_tokens = _max_tokens(state, len(ids), body.requested_max_tokens, state.default_max_tokens, "messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reply = Reply(
-        chat=True,
-        model=state.model_name,
-        prompt_tokens=len(ids),
-        include_usage=body.include_usage,
-        choices=body.n or 1,
-        top=top,
-        tokenizer=state.model.tokenizer,
-    )
+    reply = _reply(state, body, chat=True, prompt_tokens=len(ids), choices=body.n or 1, top=top)
     return await _respond(state, http, body, [ids], [_config(state, body, max_tokens, top, None)], reply)
+
+
+def _reply(state: ServerState, body: _Common, **shape) -> Reply:
+    """The response's identity: the served model's name, the request's usage option, the tokenizer."""
+    return Reply(
+        model=state.model_name, include_usage=body.include_usage, tokenizer=state.model.tokenizer, **shape
+    )
 
 
 def _config(
@@ -232,13 +228,16 @@ def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _check_common(state: ServerState, body: _Common) -> None:
+def _checked_state(http: HTTPRequest, body: _Common) -> ServerState:
+    """The server's state, once the request's model, options and n are ones it serves."""
+    state = _state(http)
     _check_model(state, body.model)
     body.check_supported()
     rows = state.scheduler.max_batch_size
     if (body.n or 1) > rows:
         message = f"n must be <= {rows}: each choice takes a row of the server's batch (max_batch_size)"
         raise APIError(400, f"{message}, got {body.n}", "n")
+    return state
 
 
 def _token_ids(state: ServerState, ids: list[int], param: str = "prompt") -> list[int]:
