@@ -60,7 +60,7 @@ def placement_kwargs(args) -> dict:
             dm if dm in ("auto", "balanced", "sequential") else _json_arg(dm, "--device-map")
         )
     if getattr(args, "max_memory", None):
-        from tierlm.placement.device_map import parse_max_memory_arg
+        from tierlm.placement.memory import parse_max_memory_arg
 
         kwargs["max_memory"] = parse_max_memory_arg(args.max_memory)
     if getattr(args, "offload_folder", None):

@@ -33,7 +33,7 @@ def cmd_bench(args) -> int:
 
 def cmd_cache(args) -> int:
     from tierlm.cache_folder import cache_entries, clear_cache
-    from tierlm.placement.device_map import format_bytes
+    from tierlm.placement.memory import format_bytes
     from tierlm.weights.gguf_cache import cache_root
 
     root = cache_root()
@@ -58,7 +58,7 @@ def entries_text(n: int) -> str:
 
 def cache_listing(root: Path, entries) -> str:
     """The text of `tierlm cache list`: one line per entry, then the total."""
-    from tierlm.placement.device_map import format_bytes
+    from tierlm.placement.memory import format_bytes
 
     lines = [f"cache folder: {root}" + ("" if root.is_dir() else " (does not exist)")]
     for e in entries:

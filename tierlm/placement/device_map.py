@@ -1,6 +1,7 @@
-"""Device maps: parse and validate them, expand them to parameters, compute them from memory budgets.
+"""Device maps: validate them, expand them to parameters, read them, compute them from memory budgets.
 
-Pure functions over parameter names and byte counts; names follow Hugging Face exactly.
+Pure functions over parameter names and byte counts; names follow Hugging Face exactly. Sizes and device
+names as users write them are parsed in memory.py (its public names are re-exported here).
 """
 
 from __future__ import annotations
@@ -8,99 +9,20 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
-from collections.abc import Iterable, Mapping, Sequence
-from decimal import Decimal
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+from tierlm.placement.memory import checked_device, format_bytes, normalize_device, parse_max_memory
+from tierlm.placement.memory import parse_max_memory_arg as parse_max_memory_arg
+from tierlm.placement.memory import parse_memory as parse_memory
 
 STRATEGIES = ("auto", "balanced", "sequential")
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_MEMORY_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
-_DEVICE_RE = re.compile(r"(cuda|mps|cpu)(?::(\d+))?")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)")
-_DEVICE_FORMS = "an int N, 'cuda', 'cuda:N', 'mps', 'cpu', 'disk' or a torch.device"
-_MEMORY_FORMS = (
-    "bytes as an int >= 0 or a string like '300MB' or '1.5GiB' (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-)
 # Modules with buffers but no parameters: transformers' hf_device_map names them, so accept them as keys.
 _PARAMETERLESS = frozenset({"model.rotary_emb", "model.rotary_emb_local"})
 
 V = TypeVar("V")
-
-
-# ---------------------------------------------------------------- memory sizes and devices
-
-
-def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a size string: "300MB" (powers of 1000), "1.5 GiB" (powers of 1024)."""
-    return _parse_memory(value, "memory size")
-
-
-def _parse_memory(value: Any, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    match = _MEMORY_RE.fullmatch(value.strip()) if isinstance(value, str) else None
-    unit = match[2].lower() or "b" if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{what} {value!r} is not valid; give {_MEMORY_FORMS}.")
-    return int(Decimal(match[1]) * _UNITS[unit])
-
-
-def normalize_device(value: Any) -> str:
-    """ "cuda:N", "mps", "cpu" or "disk" from an int, a device string or a torch.device."""
-    return _device(value, "device")
-
-
-def _device(value: Any, what: str) -> str:
-    torch = sys.modules.get("torch")  # a torch.device can only exist once torch is imported
-    text = str(value) if torch is not None and isinstance(value, torch.device) else value
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return f"cuda:{text}"
-    text = text.strip().lower() if isinstance(text, str) else ""
-    match = _DEVICE_RE.fullmatch(text)
-    if text.isdigit():
-        return f"cuda:{int(text)}"
-    if text == "disk" or (match and match[1] != "cuda" and match[2] in (None, "0")):
-        return text.partition(":")[0]
-    if match and match[1] == "cuda":
-        return f"cuda:{int(match[2] or 0)}"
-    raise ValueError(f"{what} {value!r} is not a valid device; use {_DEVICE_FORMS}.")
-
-
-def parse_max_memory(max_memory: Mapping[Any, int | str]) -> dict[str, int]:
-    """{normalized device: bytes} from a max_memory dict such as {0: "20GiB", "cpu": "8GiB"}."""
-    if not isinstance(max_memory, Mapping):
-        raise ValueError(f"max_memory {max_memory!r} is not a dict; give e.g. {{0: '20GiB', 'cpu': '8GiB'}}.")
-    return _parse_budget_pairs(max_memory.items())
-
-
-def parse_max_memory_arg(text: str) -> dict[str, int]:
-    """The CLI form "cpu=2GiB,0=20GiB" parsed like parse_max_memory."""
-    pairs = []
-    for item in (part.strip() for part in text.split(",")):
-        key, sep, value = (piece.strip() for piece in item.partition("="))
-        if not (key and sep and value):
-            raise ValueError(f"max memory entry {item!r} is not DEVICE=SIZE; write e.g. 'cpu=2GiB,0=20GiB'.")
-        pairs.append((key, value))
-    return _parse_budget_pairs(pairs)
-
-
-def _parse_budget_pairs(pairs: Iterable[tuple[Any, Any]]) -> dict[str, int]:
-    budgets: dict[str, int] = {}
-    for key, value in pairs:
-        device = _device(key, "max_memory key")
-        if device == "disk":
-            raise ValueError(
-                "max_memory key 'disk' is not allowed: disk is unlimited; budget only accelerators and 'cpu'."
-            )
-        if device in budgets:
-            raise ValueError(
-                f"max_memory names device {device} twice (again as {key!r}); give each device once."
-            )
-        budgets[device] = _parse_memory(value, f"max_memory[{key!r}] =")
-    return budgets
 
 
 # ---------------------------------------------------------------- module names
@@ -203,7 +125,7 @@ def _checked_keys(device_map: Mapping[str, Any], param_names: Sequence[str]) -> 
             raise ValueError(
                 f"device_map key {key!r} names no module of this model; nearest valid names: {', '.join(nearest)}."
             )
-        devices[key] = _device(value, f"device_map[{key!r}] =")
+        devices[key] = checked_device(value, f"device_map[{key!r}] =")
     return devices
 
 
@@ -395,10 +317,3 @@ def _too_small(device: str, budget: int, streamed: str, size: int, reserve: int)
         f"max_memory[{device!r}] = {format_bytes(budget)} is too small: the streamed layer {streamed} "
         f"({format_bytes(size)}){cache} must fit there."
     )
-
-
-def format_bytes(size: int) -> str:
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} B"

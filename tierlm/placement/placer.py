@@ -11,6 +11,7 @@ import torch
 
 from tierlm.config import ModelConfig
 from tierlm.models.decoder import Decoder
+from tierlm.module_names import under
 from tierlm.placement.device_map import (
     STRATEGIES,
     execution_device,
@@ -50,7 +51,7 @@ class Placement:
     def unit_of(self, param: str) -> str | None:
         for tier in ("cpu", "disk"):
             for unit in self.offloaded[tier]:
-                if param == unit or param.startswith(unit + "."):
+                if under(param, unit):
                     return unit
         return None
 
@@ -70,27 +71,48 @@ def resolve(
     A memory budget without a map means "auto" (a budget is only ever read to infer a map)."""
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
+    reserve = kv_bytes_per_token * KV_RESERVE_TOKENS
+    modules, params = _maps(param_names, param_bytes, device_map, max_memory, tied, reserve)
+    _check_devices(params, tied)
+    executor = execution_override or execution_device(modules)
+    return Placement(
+        module_map=modules,
+        param_devices=params,
+        device=torch.device(executor),
+        offloaded=offloaded_modules(modules),
+        drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
+    )
+
+
+def _maps(
+    param_names: list[str],
+    param_bytes: Mapping[str, int],
+    device_map: Any,
+    max_memory: Mapping | None,
+    tied: list[tuple[str, str]],
+    reserve_bytes: int,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(module map, device per parameter): a strategy's map inferred within `max_memory`, or a dict expanded."""
     if isinstance(device_map, str):
         if device_map not in STRATEGIES:
             raise ValueError(
                 f"device_map {device_map!r} is not valid; use a dict or one of {', '.join(STRATEGIES)}"
             )
         modules = infer_device_map(
-            param_bytes,
-            max_memory,
-            device_map,
-            tied=tied,
-            reserve_bytes=kv_bytes_per_token * KV_RESERVE_TOKENS,
+            param_bytes, max_memory, device_map, tied=tied, reserve_bytes=reserve_bytes
         )
-        params = expand_device_map(modules, param_names)
-    elif isinstance(device_map, Mapping):
-        params = expand_device_map(device_map, param_names)
-        for leader, follower in tied:  # a tied weight follows its leader unless the map names it
-            if not any(k == follower or follower.startswith(f"{k}.") for k in device_map if k):
-                params[follower] = params[leader]
-        modules = module_map(params)
-    else:
+        return modules, expand_device_map(modules, param_names)
+    if not isinstance(device_map, Mapping):
         raise ValueError(f"device_map must be a dict, 'auto', 'balanced' or 'sequential', got {device_map!r}")
+    params = expand_device_map(device_map, param_names)
+    for leader, follower in tied:  # a tied weight follows its leader unless the map names it
+        if not any(under(follower, k) for k in device_map if k):
+            params[follower] = params[leader]
+    return module_map(params), params
+
+
+def _check_devices(params: dict[str, str], tied: list[tuple[str, str]]) -> None:
+    """Tied parameters share a device, and at most one accelerator is named."""
     for leader, follower in tied:
         if params.get(follower, params[leader]) != params[leader]:
             raise ValueError(
@@ -102,14 +124,6 @@ def resolve(
         raise ValueError(
             f"the map names several accelerators ({', '.join(accelerators)}); tierlm runs on one"
         )
-    executor = execution_override or execution_device(modules)
-    return Placement(
-        module_map=modules,
-        param_devices=params,
-        device=torch.device(executor),
-        offloaded=offloaded_modules(modules),
-        drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
-    )
 
 
 def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, int] | None = None):

@@ -141,39 +141,61 @@ def quantize_units(
     tmp = fresh_tmp_folder(folder) if want["units"] and not reuse else None
     out = []
     for unit in units:
-        module = decoder.get_submodule(unit.name)
-        sources = dict(unit.sources)
-        from_folder = unit.tier == "disk" and reuse
-        stored = _mmap_all(folder / f"{unit.name}.safetensors") if from_folder else {}
-        packed: dict[str, torch.Tensor] = {}
-        for rel in _targets(module, unit.name):
-            linear = module.get_submodule(rel)
-            full = _join(unit.name, rel) if rel else unit.name
-            kind = mode_of(full, mode)
-            try:
-                if kind == "int4":  # the same shapes fail every time: those linears stay float
-                    check_int4_shape(linear.out_features, linear.in_features, group_size, device)
-                if from_folder:
-                    new = _shell(linear, stored, rel, kind, group_size)
-                else:
-                    weight, bias = sources[_join(rel, "weight")], sources.get(_join(rel, "bias"))
-                    new = _quantize_linear(linear, weight, bias, kind, group_size, dtype, device)
-            except ValueError:
-                continue
-            for name in (_join(rel, "weight"), _join(rel, "bias")):
-                sources.pop(name, None)
-            _swap(decoder, full, new)
-            packed.update(_tensors_of(new, rel))
-        if tmp is not None and unit.tier == "disk":  # write, then stream the packed bytes from the file
-            file = tmp / f"{unit.name}.safetensors"
-            write_aligned(file, {k: t.cpu().contiguous() for k, t in packed.items()})
-            packed = _mmap_all(file)  # the mapping outlives the folder's rename
-        if unit.tier == "cpu":
-            pin = device.type == "cuda"
-            packed = {k: (t.cpu().pin_memory() if pin else t.cpu()) for k, t in packed.items()}
-        sources.update(packed)
+        stored = _mmap_all(folder / f"{unit.name}.safetensors") if unit.tier == "disk" and reuse else None
+        sources, packed = _quantize_unit(decoder, unit, mode, group_size, dtype, device, stored)
+        sources.update(_stage(packed, unit, tmp, device))
         _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
         out.append(Unit(unit.name, unit.tier, sources))
     if tmp is not None:
         commit_folder(tmp, folder, want)
     return out
+
+
+def _quantize_unit(
+    decoder: nn.Module,
+    unit: Unit,
+    mode: str,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    stored: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Swap the unit's linears for quantized ones, quantized now or shells over `stored` (a packed disk
+    tier's tensors): (its float sources left, its packed tensors)."""
+    module = decoder.get_submodule(unit.name)
+    sources = dict(unit.sources)
+    packed: dict[str, torch.Tensor] = {}
+    for rel in _targets(module, unit.name):
+        linear = module.get_submodule(rel)
+        full = _join(unit.name, rel) if rel else unit.name
+        kind = mode_of(full, mode)
+        try:
+            if kind == "int4":  # the same shapes fail every time: those linears stay float
+                check_int4_shape(linear.out_features, linear.in_features, group_size, device)
+            if stored is not None:
+                new = _shell(linear, stored, rel, kind, group_size)
+            else:
+                weight, bias = sources[_join(rel, "weight")], sources.get(_join(rel, "bias"))
+                new = _quantize_linear(linear, weight, bias, kind, group_size, dtype, device)
+        except ValueError:
+            continue
+        for name in (_join(rel, "weight"), _join(rel, "bias")):
+            sources.pop(name, None)
+        _swap(decoder, full, new)
+        packed.update(_tensors_of(new, rel))
+    return sources, packed
+
+
+def _stage(
+    packed: dict[str, torch.Tensor], unit: Unit, tmp: Path | None, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Packed tensors where the unit's tier keeps them: a disk unit's written to `tmp` (when the folder is being
+    written) and streamed from the file, a cpu unit's in (pinned, for CUDA) host memory."""
+    if tmp is not None and unit.tier == "disk":
+        file = tmp / f"{unit.name}.safetensors"
+        write_aligned(file, {k: t.cpu().contiguous() for k, t in packed.items()})
+        return _mmap_all(file)  # the mapping outlives the folder's rename
+    if unit.tier == "cpu":
+        pin = device.type == "cuda"
+        return {k: (t.cpu().pin_memory() if pin else t.cpu()) for k, t in packed.items()}
+    return packed
