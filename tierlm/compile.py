@@ -150,29 +150,9 @@ def decide(
     """
     placement = dict(placement) if placement else {"": "cpu"}
     device = str(device) if device is not None else execution_device(placement)
-    config = generation_config
-    cc = config.compile_config
-    reasons: list[str] = []
-    if config.disable_compile:
-        reasons.append("disable_compile=True")
-    kind = cache if isinstance(cache, str) else cache.kind
-    compileable = cache == "static" if isinstance(cache, str) else cache.is_compileable
-    if not compileable:
-        reasons.append(f"cache {kind!r} is not compilable; use cache_implementation='static'")
-    if not device.startswith("cuda") and cc is None:
-        reasons.append(f"execution device {device!r} compiles only when compile_config is set")
+    cc = generation_config.compile_config
     offloaded = _offloaded(placement)
-    if cc is None:  # the seed's behaviour: offload without consent runs eagerly, silently
-        reasons.extend(_where(offloaded, "is offloaded to", "are offloaded to"))
-    reasons.extend(uncompilable)
-    if cc is not None and device.startswith("cuda") and cc.mode in CUDA_GRAPH_MODES:
-        if offloaded:
-            reasons.append(
-                f"mode {cc.mode!r} records CUDA graphs, which cannot take weights that stream in; "
-                "use mode='default' or 'max-autotune-no-cudagraphs'"
-            )
-        elif cc.scope == "layer":
-            reasons.append(f"mode {cc.mode!r} with scope 'layer': {LAYER_GRAPHS}")
+    reasons = _reasons_not_to(generation_config, cache, device, offloaded, uncompilable)
     if reasons:
         return CompileDecision(False, tuple(reasons), device, layers=layers, config=cc)
     if not offloaded:
@@ -185,6 +165,34 @@ def decide(
         whole_step = (*_where(offloaded, "is offloaded to", "are offloaded to"), FELL_BACK)
     config = streamed_config(cc, device)
     return CompileDecision(True, (), device, "layer", streamed, whole_step, layers, config)
+
+
+def _reasons_not_to(
+    config: Any, cache: Any, device: str, offloaded: list[tuple[str, list[str]]], uncompilable: Sequence[str]
+) -> list[str]:
+    """Every reason not to compile: none means compile (the whole step, or under offload the layer body)."""
+    cc = config.compile_config
+    reasons: list[str] = []
+    if config.disable_compile:
+        reasons.append("disable_compile=True")
+    kind = cache if isinstance(cache, str) else cache.kind
+    compileable = cache == "static" if isinstance(cache, str) else cache.is_compileable
+    if not compileable:
+        reasons.append(f"cache {kind!r} is not compilable; use cache_implementation='static'")
+    if not device.startswith("cuda") and cc is None:
+        reasons.append(f"execution device {device!r} compiles only when compile_config is set")
+    if cc is None:  # the seed's behaviour: offload without consent runs eagerly, silently
+        reasons.extend(_where(offloaded, "is offloaded to", "are offloaded to"))
+    reasons.extend(uncompilable)
+    if cc is not None and device.startswith("cuda") and cc.mode in CUDA_GRAPH_MODES:
+        if offloaded:
+            reasons.append(
+                f"mode {cc.mode!r} records CUDA graphs, which cannot take weights that stream in; "
+                "use mode='default' or 'max-autotune-no-cudagraphs'"
+            )
+        elif cc.scope == "layer":
+            reasons.append(f"mode {cc.mode!r} with scope 'layer': {LAYER_GRAPHS}")
+    return reasons
 
 
 def streamed_config(cc: CompileConfig, device: str) -> CompileConfig:
