@@ -63,6 +63,12 @@ class LoopState:
     cancelled: set[int] = field(default_factory=set)  # rows to end at the next step boundary
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # per row, when the config asks
 
+    def start_rows(self, rows: int) -> None:
+        """No tokens, log probabilities or finish reasons yet for any of `rows` rows."""
+        self.tokens = [[] for _ in range(rows)]
+        self.logprobs = [[] for _ in range(rows)]
+        self.finish_reasons = [None] * rows
+
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request draws from seed + i * this (mod 2**64)
 
@@ -221,46 +227,27 @@ def run_decode(
     """
     b, width = batch.ids.shape
     device = batch.ids.device
-    limits = state.limits
-    state.tokens = [[] for _ in range(b)]
-    state.logprobs = [[] for _ in range(b)]
-    state.finish_reasons = [None] * b
+    state.start_rows(b)
     running = [True] * b
 
     logits = yield from prefill  # a unit of work per chunk, so a caller can interleave other generations
     start = time.perf_counter()
-    tokens = sampler(logits)
-    logprobs = sampler.logprobs(logits, tokens)
+    tokens, logprobs, host = _sample(sampler, logits, None, None)
     positions = (batch.mask.sum(-1, keepdim=True) - 1).clone()  # rotary position of each row's last token
     slots = torch.tensor([width], device=device)
-    host = tokens.tolist()
     state.prefill_seconds += time.perf_counter() - start  # the chunks add their own time
     start = time.perf_counter()
     eos_set = set(eos_ids)
     pad = torch.full((b,), pad_id, dtype=torch.long, device=device)
     done, n_done = None, 0  # device mask of finished rows, rebuilt only when a row finishes
-    for i in range(max(limits)):
-        events = []
-        for row in range(b):
-            if not running[row]:
-                continue
-            state.tokens[row].append(host[row])
-            if logprobs[row] is not None:
-                state.logprobs[row].append(logprobs[row])
-            reason = None
-            stop_hit = should_stop is not None and should_stop(row)  # sees every token, EOS included
-            if (
-                stop_hit or host[row] in eos_set or sampler.complete(row)
-            ):  # EOS cannot be sampled before min_new_tokens
-                reason = "stop"
-            elif row in state.cancelled:
-                reason = "cancelled"
-            elif i + 1 >= limits[row]:
-                reason = "length"
-            if reason is not None:
-                running[row] = False
-                state.finish_reasons[row] = reason
-            events.append(StepEvent(row, host[row], reason is not None, reason))
+    for i in range(max(state.limits)):
+        events = [
+            _row_event(state, sampler, row, host[row], logprobs[row], i, eos_set, should_stop)
+            for row in range(b)
+            if running[row]
+        ]
+        for event in events:
+            running[event.row] = not event.finished
         yield events
         if not any(running):
             break
@@ -270,10 +257,42 @@ def run_decode(
         positions += 1
         logits = step(tokens[:, None], positions, slots, width + i + 1)
         slots += 1
-        tokens = sampler(logits)
-        if done is not None:
-            tokens = torch.where(done, pad, tokens)
-        logprobs = sampler.logprobs(logits, tokens)
-        host = tokens.tolist()
+        tokens, logprobs, host = _sample(sampler, logits, done, pad)
         state.decode_steps += 1
     state.decode_seconds = time.perf_counter() - start
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, done: torch.Tensor | None, pad: torch.Tensor | None):
+    """A step's tokens (`pad` in the rows `done` marks finished), their log probabilities when asked, and the
+    tokens on the host: the step's one sync."""
+    tokens = sampler(logits)
+    if done is not None:
+        tokens = torch.where(done, pad, tokens)
+    return tokens, sampler.logprobs(logits, tokens), tokens.tolist()
+
+
+def _row_event(
+    state: LoopState,
+    sampler: Sampler,
+    row: int,
+    token: int,
+    logprob: TokenLogprob | None,
+    i: int,
+    eos_set: set[int],
+    should_stop: Callable[[int], bool] | None,
+) -> StepEvent:
+    """Record the row's `i`-th new token, and say whether, and why, the row ends with it."""
+    state.tokens[row].append(token)
+    if logprob is not None:
+        state.logprobs[row].append(logprob)
+    reason = None
+    stop_hit = should_stop is not None and should_stop(row)  # sees every token, EOS included
+    if stop_hit or token in eos_set or sampler.complete(row):  # EOS cannot be sampled before min_new_tokens
+        reason = "stop"
+    elif row in state.cancelled:
+        reason = "cancelled"
+    elif i + 1 >= state.limits[row]:
+        reason = "length"
+    if reason is not None:
+        state.finish_reasons[row] = reason
+    return StepEvent(row, token, reason is not None, reason)
