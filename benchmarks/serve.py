@@ -95,27 +95,24 @@ def wait_ready(name: str, url: str, process: subprocess.Popen, timeout: float = 
     raise SystemExit(f"{name} server did not start within {timeout:.0f} s")
 
 
-def start(name: str, argv: list[str], port: int) -> Server:
+def start(name: str, argv: list[str], port: int, threads: int | None = None) -> Server:
+    """Run `argv` (a server on `port`; `threads`: its OMP_NUM_THREADS) until it answers."""
     status(f"starting {name} server on port {port}")
-    process = subprocess.Popen(argv, env={**os.environ, "TQDM_DISABLE": "1"})
+    env = {**os.environ, "TQDM_DISABLE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    process = subprocess.Popen(argv, env=env)
     url = f"http://127.0.0.1:{port}"
     return Server(name, url, wait_ready(name, url, process), process)
 
 
+def tierlm_argv(model_file: Path, args, port: int, batching: str = "continuous") -> list[str]:
+    """The single-process tierlm server (TIERLM_SCRIPT) for `args.dtype` and `args.max_batch_size`."""
+    script = [TIERLM_SCRIPT, str(model_file), args.dtype, str(port), str(args.max_batch_size), batching]
+    return [sys.executable, "-c", *script]
+
+
 def start_tierlm(model_file: Path, args, batching: str = "continuous") -> Server:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-c",
-        TIERLM_SCRIPT,
-        str(model_file),
-        args.dtype,
-        str(port),
-        str(args.max_batch_size),
-        batching,
-    ]
-    server = start(f"tierlm {batching}", argv, port)
-    return server
+    return start(f"tierlm {batching}", tierlm_argv(model_file, args, port, batching), port)
 
 
 def start_llama(model_file: Path) -> Server | None:
@@ -291,6 +288,13 @@ def report(results: dict[str, dict[int, dict]], model_file: Path, args) -> None:
         f"{model_file.name}, {args.min_tokens}-{args.max_tokens} new tokens per client, Poisson arrivals "
         f"at {args.rate}/s (seed {args.seed}), median of {args.runs} runs"
     )
+    print_and_save(headers, rows, title, model_file, args, results)
+
+
+def print_and_save(
+    headers: list[str], rows: list[list[str]], title: str, model_file: Path, args, results: dict
+) -> None:
+    """The table on stdout, and with --json the results with the model and the arguments."""
     print_table(headers, rows, title)
     if args.json:
         write_json(args.json, {"model": str(model_file), "args": vars(args), "results": results})

@@ -12,7 +12,6 @@ through the single-process server, both over HTTP on loopback with a kept-alive 
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import subprocess
@@ -23,8 +22,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import contention_warning, fmt, machine_load, print_table, status, write_json  # noqa: E402
-from serve import TIERLM_SCRIPT, Server, bench, free_port, wait_ready  # noqa: E402
+from common import contention_warning, fmt, machine_load  # noqa: E402
+from serve import Server, bench, free_port, print_and_save, start, tierlm_argv  # noqa: E402
 
 SINGLE_THREADS = 2
 OVERHEAD_REQUESTS = 200
@@ -33,16 +32,8 @@ OVERHEAD_REQUESTS = 200
 def start_single(model_file: Path, args) -> Server:
     """The single-process server, `SINGLE_THREADS` torch threads."""
     port = free_port()
-    argv = [
-        sys.executable,
-        "-c",
-        TIERLM_SCRIPT,
-        str(model_file),
-        args.dtype,
-        str(port),
-        str(args.max_batch_size),
-    ]
-    return launch(f"single process, {SINGLE_THREADS} threads", argv, port)
+    argv = tierlm_argv(model_file, args, port)
+    return start(f"single process, {SINGLE_THREADS} threads", argv, port, threads=SINGLE_THREADS)
 
 
 def start_replicas(model_file: Path, replicas: int, args) -> Server:
@@ -51,15 +42,9 @@ def start_replicas(model_file: Path, replicas: int, args) -> Server:
     argv = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(model_file), "--dtype", args.dtype]
     argv += ["--replicas", str(replicas), "--replica-cpus", "1", "--port", str(port)]
     argv += ["--max-batch-size", str(args.max_batch_size)]
-    return launch(f"ray, {replicas} replica{'s' if replicas > 1 else ''} x 1 thread", argv, port)
-
-
-def launch(name: str, argv: list[str], port: int) -> Server:
-    status(f"starting {name} on port {port}")
-    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": str(SINGLE_THREADS)}
-    process = subprocess.Popen(argv, env=env)
-    url = f"http://127.0.0.1:{port}"
-    return Server(name, url, wait_ready(name, url, process), process)
+    return start(
+        f"ray, {replicas} replica{'s' if replicas > 1 else ''} x 1 thread", argv, port, SINGLE_THREADS
+    )
 
 
 def stop(server: Server, timeout: float = 120) -> None:
@@ -114,6 +99,4 @@ def main(args, model_file: Path) -> None:
         f"{model_file.name}, {args.max_tokens} new tokens per client, median of {args.runs} runs; "
         f"{machine_load()}"
     )
-    print_table(headers, rows, title)
-    if args.json:
-        write_json(args.json, {"model": str(model_file), "args": vars(args), "results": results})
+    print_and_save(headers, rows, title, model_file, args, results)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from conftest import COMMON
 from torch._dynamo.utils import counters
 
 import tierlm
@@ -19,19 +20,7 @@ from tierlm.cache import RingLayerView, StaticCache
 from tierlm.config import FULL, SLIDING
 from tierlm.placement.placer import kv_bytes_per_token
 
-GEMMA3 = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.3,  # decisive logits, so greedy tokens do not hinge on rounding
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+GEMMA3 = {**COMMON, "head_dim": 16}  # the other families' tiny shape; each config sets its layer count
 CONFIGS = {
     "untied": dict(
         num_hidden_layers=6,
