@@ -9,7 +9,6 @@ and memory-mapped from there, so the streamed bytes are the packed ones.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,7 +17,8 @@ from torch import nn
 from tierlm.placement.offload import Unit, _assign
 from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantizes
 from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
-from tierlm.weights.safetensors import CODES, DTYPES, header
+from tierlm.weights.safetensors import DTYPES, header
+from tierlm.weights.safetensors_write import write_safetensors
 
 ALIGN = 64
 
@@ -74,33 +74,10 @@ def _tensors_of(module: nn.Module, rel: str) -> dict[str, torch.Tensor]:
 
 
 def write_aligned(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file whose every tensor starts at a multiple of ALIGN bytes in the file.
-
-    The int8 / int4 CPU kernels crash on weights that are not 64-byte aligned, and a memory-mapped tensor
-    is only as aligned as its file offset. Alignment comes from padding the header with spaces and from
-    "~pad" byte tensors between real ones, so the file stays valid safetensors (no holes).
-    """
-    entries, layout, offset = {}, [], 0
-    for i, (name, t) in enumerate(tensors.items()):
-        gap = -offset % ALIGN
-        if gap:
-            entries[f"~pad.{i}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
-            layout.append(bytes(gap))
-            offset += gap
-        nbytes = t.numel() * t.element_size()
-        entries[name] = {
-            "dtype": CODES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        layout.append(t)
-        offset += nbytes
-    blob = json.dumps(entries).encode()
-    blob += b" " * (-(8 + len(blob)) % ALIGN)  # the data starts on an ALIGN boundary
-    with open(file, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
-        for part in layout:
-            f.write(part if isinstance(part, bytes) else part.view(torch.uint8).numpy().data)
+    """A safetensors file whose every tensor starts at a multiple of ALIGN bytes in the file: the int8 / int4
+    CPU kernels crash on weights that are not 64-byte aligned."""
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    write_safetensors(file, specs, tensors.items(), align=ALIGN)
 
 
 def _mmap_all(file: Path) -> dict[str, torch.Tensor]:
