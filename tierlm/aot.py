@@ -321,13 +321,10 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
                 torch.zeros(1, dtype=torch.long),
             )
             model.decoder.ensure_rope(cache.max_len, model.device)
-            limit, cache.limit = cache.limit, cache.max_len  # fixed shapes: the step reads the whole cache
-            try:
-                exported = torch.export.export(
-                    _StepModule(model.decoder, cache), (*example, *state), strict=False
-                )
-            finally:
-                cache.limit = limit
+            # fixed shapes: _StepModule's forward passes no `length`, so the step reads the whole cache
+            exported = torch.export.export(
+                _StepModule(model.decoder, cache), (*example, *state), strict=False
+            )
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(tmp / PACKAGE), inductor_configs=inductor_options(cc, device)
             )
@@ -354,7 +351,6 @@ class PackagedStep:
         self.state = state_tensors(cache)
 
     def __call__(self, tokens, positions, slots, length):
-        self.cache.limit = self.cache.max_len  # fixed shapes: the graph always reads the whole cache
         return self.runner(tokens, positions, slots, *self.state)
 
     def explain(self) -> str:

@@ -1,5 +1,6 @@
 """KV caches with one contract: mark_valid() (and sliding_keys() for a model with sliding layers)
-records which slots hold real tokens, update() stores K/V.
+records which slots hold real tokens, update() stores K/V. Both take `length`, the slots attention reads
+(the first `length`; None: all of them), an argument of each forward and never state of the cache.
 
 `static` preallocates max_len slots written in place with index_copy_ (compilable, fixed shapes), and a
 ring buffer of window slots for each sliding-window layer (Gemma 3); `dynamic` grows by concatenation.
@@ -45,11 +46,10 @@ class StaticCache:
         # What the ring slots hold, shared by every sliding layer: the column (-1: nothing) and validity.
         self.ring_cols = torch.full((ring,), -1, dtype=torch.long, device=device)
         self.ring_valid = torch.zeros(batch, ring, dtype=torch.bool, device=device)
-        self.limit = max_len  # eager decoding may read only the first `limit` slots (a Python int)
         for t in (*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid):
             torch._dynamo.mark_static_address(t)
         self.views = [
-            RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v, max_len)
+            RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v)
             for i, (k, v) in enumerate(zip(self.keys, self.values))
         ]
 
@@ -57,11 +57,12 @@ class StaticCache:
         self.valid.zero_()  # stale K/V stay behind the mask; they are finite, so they are harmless
         self.ring_valid.zero_()
         self.ring_cols.fill_(-1)  # a stale column could pass for a query's own key
-        self.limit = self.max_len
 
-    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    def mark_valid(
+        self, slots: torch.Tensor, new_valid: torch.Tensor, length: int | None = None
+    ) -> torch.Tensor:
         self.valid.index_copy_(1, slots, new_valid)
-        return self.valid[:, : self.limit]
+        return self.valid[:, :length]
 
     def sliding_keys(self, slots: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The columns [L] and validity [b, L] of the keys a sliding layer attends to in this call (what
@@ -78,13 +79,10 @@ class StaticCache:
         self.ring_valid.index_copy_(1, slots[-keep:] % self.ring, new_valid[:, -keep:].to(torch.bool))
         return cols, valid
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        view = self.views[layer]
-        if isinstance(view, RingLayerView):
-            return view.update(layer, k, v, slots)
-        self.keys[layer].index_copy_(2, slots, k)
-        self.values[layer].index_copy_(2, slots, v)
-        return self.keys[layer][:, :, : self.limit], self.values[layer][:, :, : self.limit]
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
+    ):
+        return self.views[layer].update(layer, k, v, slots, length)
 
 
 class RingLayerView:
@@ -99,7 +97,8 @@ class RingLayerView:
         self.keys, self.values = keys, values
         self.ring = keys.shape[2]
 
-    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, _length=None):
+        """K/V of the ring (and of a prefill chunk): a window, whatever `length` the forward reads."""
         s = slots.shape[0]
         if s == 1:
             self.keys.index_copy_(2, slots % self.ring, k)
@@ -114,15 +113,17 @@ class RingLayerView:
 
 
 class StaticLayerView:
-    """One layer's static K/V, for a compiled layer body shared by all layers (it never reads the index)."""
+    """One layer's static K/V (also a compiled layer body's view: it never reads the layer index)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int) -> None:
-        self.keys, self.values, self.limit = keys, values, limit
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
 
-    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(
+        self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
+    ):
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
-        return self.keys, self.values
+        return self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class DynamicCache:
@@ -136,7 +137,8 @@ class DynamicCache:
         self.values: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
-    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor, _length=None) -> torch.Tensor:
+        """Every key so far: a dynamic cache holds only the slots written (`length` adds nothing)."""
         self.valid = torch.cat((self.valid, new_valid.to(torch.bool)), dim=1)
         return self.valid
 
@@ -144,7 +146,7 @@ class DynamicCache:
         """Sliding layers keep every key here; the window is the mask's (after mark_valid)."""
         return torch.arange(self.valid.shape[1], device=self.valid.device), self.valid
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, _length=None):
         if self.keys[layer] is not None:
             k = torch.cat((self.keys[layer], k), dim=2)
             v = torch.cat((self.values[layer], v), dim=2)

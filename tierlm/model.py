@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from tierlm.cache import StaticCache
-from tierlm.compile import CompileConfig, streamed_config
+from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.loading import execute
-from tierlm.models.decoder import Decoder, run_layer
-from tierlm.placement.offload import Streamer, canonical_strides
+from tierlm.models.decoder import Decoder
+from tierlm.placement.offload import Streamer
 from tierlm.placement.placer import Placement
 from tierlm.plan import LoadPlan, plan
-from tierlm.weights import gguf_cache
+from tierlm.steps import CompiledSteps
 
-log = logging.getLogger("tierlm")
 MAX_STATIC_CACHES = 4  # static caches (and their compiled steps) kept for reuse across generate calls
 
 
@@ -46,7 +42,7 @@ class Model:
         self.streamer = streamer
         self.device_map: dict[str, str] = placement.module_map if placement else {"": "cpu"}
         self._static_caches: dict[tuple, StaticCache] = {}
-        self._compiled: dict[tuple, object] = {}
+        self._compiled = CompiledSteps()  # the compiled decode steps built for those caches
         self.packages = None  # tierlm.aot.Packages: whole steps built ahead of time (use_compiled_packages)
 
     @property
@@ -113,21 +109,21 @@ class Model:
             while len(self._static_caches) >= MAX_STATIC_CACHES:  # least recently used goes, with its graphs
                 old_key = next(iter(self._static_caches))
                 del self._static_caches[old_key]
-                self._compiled = {k: v for k, v in self._compiled.items() if k[1:3] != old_key[:2]}
+                self._compiled.drop(*old_key[:2])
         self._static_caches[key] = cache  # most recently used last
         cache.reset()
         return cache
 
     def eager_step(self, cache):
+        """The decode step run eagerly: step(tokens, positions, slots, length) -> logits [batch, vocab],
+        attending over the `length` slots in use, not the whole cache."""
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
-        bounded = hasattr(cache, "limit")  # a StaticCache, or continuous batching's SlotCache over one
 
         def step(tokens, positions, slots, length):
-            if bounded:
-                cache.limit = length  # read only the slots in use, not the whole cache
-            return self.decoder(tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots)[
-                :, -1
-            ].float()
+            logits = self.decoder(
+                tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots, length=length
+            )
+            return logits[:, -1].float()
 
         return step
 
@@ -139,95 +135,8 @@ class Model:
         self.packages = aot.Packages(self, root)
 
     def compiled_step(self, cache: StaticCache, compile_config: CompileConfig | None):
-        """The compiled decode step for this cache shape, built once and reused by later calls."""
-        cc = compile_config or CompileConfig()
-        if self.streamer is not None:  # a whole step cannot take streamed weights: as decide() says
-            cc = streamed_config(cc, str(self.device))
-        # A step closes over its cache: a static cache's step and a continuous batch's (SlotCache) of one
-        # shape read different tensors and must never be taken for each other.
-        key = (cc, cache.batch, cache.max_len, self.dtype, type(cache).__name__)
-        compiled = self._compiled.get(key)
-        if compiled is None and self.packages is not None and self.packages.applies(cc, cache):
-            self._compiled[key] = compiled = self.packages.step(cache, cc)  # loaded, or built once
-        if compiled is None:
-            # A persistent per-user inductor cache, so a second process starts warm.
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))
-            ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=self.device)
-            decoder = self.decoder
-            kwargs = cc.compile_kwargs(str(self.device))
-            layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
-            if layer_fn is not None and self.streamer is not None and self.streamer.streams_layers():
-                decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all
-                for layer in decoder.model.layers:
-                    canonical_strides(layer)
-                layer_fn = self.streamer.around_layers(layer_fn)  # fetch/release outside the compiled body
-
-            def decode_step(tokens, positions, slots):
-                logits = decoder(
-                    tokens, ones, positions=positions, cache=cache, slots=slots, layer_fn=layer_fn
-                )
-                return logits[:, -1].float()
-
-            if cc.scope == "model" and self.device.type == "cuda":
-                _static_addresses(cache)
-            compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
-            freezing = bool(kwargs.get("options", {}).get("freezing"))
-            what = (
-                f"the decode step (scope {cc.scope}, mode {cc.resolved_mode(str(self.device))}, "
-                f"batch {cache.batch}, cache {cache.max_len})"
-            )
-            if cc.scope == "model" and self.device.type == "cpu":
-                what += "; a cold whole-model compile takes minutes on a CPU"
-            self._compiled[key] = compiled = _CompiledStep(
-                compiled, cache, freezing, cc.scope == "model", what
-            )
-        return compiled  # keyed by (batch, length, dtype) like static caches, so its cache is `cache`
-
-
-def _static_addresses(cache) -> None:
-    """Tell dynamo that the cache's tensors keep their addresses: the step writes them in place, and
-    CUDA graphs (reduce-overhead) are skipped for a graph that mutates inputs not known to be static."""
-    for value in vars(cache).values():
-        for t in value if isinstance(value, list) else [value]:
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.mark_static_address(t)
-
-
-class _CompiledStep:
-    """Calls a compiled decode step.
-
-    The first call traces and compiles. Dynamo reads inductor's `freezing` flag while tracing (to make
-    the weights graph attributes that inductor folds and prepacks); options given to torch.compile only
-    reach inductor, so the flag is set around that call, else nothing would be frozen. Later calls of a
-    whole-model step skip dynamo's guard evaluation (~0.8 ms a step for ~300 weight guards): the step is
-    built for one cache and one (batch, length), its inputs keep their shapes and dtypes, and inductor
-    still asserts each input's size and stride.
-    """
-
-    def __init__(self, compiled, cache: StaticCache, freezing: bool, skip_guards: bool, what: str) -> None:
-        self.compiled, self.cache = compiled, cache
-        self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
-        self.traced = False
-
-    def __call__(self, tokens, positions, slots, length):
-        self.cache.limit = self.cache.max_len  # fixed shapes: the graph always reads the whole cache
-        if self.traced and self.skip_guards:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self.compiled(tokens, positions, slots)
-        inductor_config = torch._inductor.config if self.freezing else None
-        old = inductor_config.freezing if inductor_config else None
-        if inductor_config:
-            inductor_config.freezing = True
-        start = time.perf_counter()
-        log.info("compiling %s ...", self.what)
-        try:
-            logits = self.compiled(tokens, positions, slots)
-        finally:
-            if inductor_config:
-                inductor_config.freezing = old
-        log.info("compiled in %.1f s", time.perf_counter() - start)
-        self.traced = True
-        return logits
+        """The compiled decode step for this cache shape, built once and reused by later calls (tierlm.steps)."""
+        return self._compiled.step(self, cache, compile_config)
 
 
 def load(

@@ -220,7 +220,6 @@ class SlotBatch:
         chunk = seq.config.prefill_chunk or width
         start, end = seq.prefilled, min(seq.prefilled + chunk, width)
         view = RowsView(self.cache, slice(row, row + 1))
-        view.limit = end  # read only the slots written so far, as a solo prefill does
         ids = torch.tensor([seq.prompt[start:end]], device=self.device)
         slots = torch.arange(start, end, device=self.device)
         logits = self.model.decoder(
@@ -230,6 +229,7 @@ class SlotBatch:
             cache=view,
             slots=slots,
             last_only=seq.prompt_lp is None,
+            length=end,  # read only the slots written so far, as a solo prefill does
         )
         if seq.prompt_lp is not None:
             seq.prompt_lp.add(logits, start)

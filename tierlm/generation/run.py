@@ -184,7 +184,6 @@ class Generation:
         prompt_lp = PromptLogprobs(ids, mask, top) if top is not None else None
         for start in range(0, width, chunk):
             began, end = time.perf_counter(), min(start + chunk, width)
-            cache.limit = end  # read only the slots written so far (a dynamic cache ignores it)
             logits = self.model.decoder(
                 ids[:, start:end],
                 attention_mask=mask[:, start:end],
@@ -192,6 +191,7 @@ class Generation:
                 cache=cache,
                 slots=torch.arange(start, end, device=ids.device),
                 last_only=prompt_lp is None,
+                length=end,  # read only the slots written so far (a dynamic cache holds no more)
             )
             if prompt_lp is not None:
                 prompt_lp.add(logits, start)

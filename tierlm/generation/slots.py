@@ -10,7 +10,7 @@ from tierlm.cache import StaticCache
 class RowsView:
     """Some rows (a slice of the batch) of a StaticCache, for a forward that fills only those rows.
 
-    Writes go through to the cache; reads see the first `limit` slots, as StaticCache's own do.
+    Writes go through to the cache; reads see the first `length` slots, as StaticCache's own do.
     """
 
     kind = "static"
@@ -21,16 +21,19 @@ class RowsView:
         self.keys = [k[rows] for k in cache.keys]
         self.values = [v[rows] for v in cache.values]
         self.valid = cache.valid[rows]
-        self.limit = cache.limit
 
-    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    def mark_valid(
+        self, slots: torch.Tensor, new_valid: torch.Tensor, length: int | None = None
+    ) -> torch.Tensor:
         self.valid.index_copy_(1, slots, new_valid)
-        return self.valid[:, : self.limit]
+        return self.valid[:, :length]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
+    ):
         self.keys[layer].index_copy_(2, slots, k)
         self.values[layer].index_copy_(2, slots, v)
-        return self.keys[layer][:, :, : self.limit], self.values[layer][:, :, : self.limit]
+        return self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
 
     def copy_to_siblings(self, n: int, width: int) -> None:
         """Rows come in groups of n (this view holds each group's first): copy its first `width` slots to
@@ -77,7 +80,6 @@ class SlotCache:
     def _hold(self, keys, values, valid: torch.Tensor, row_slots: torch.Tensor) -> None:
         self.batch, self.max_len = valid.shape
         self.keys, self.values, self.valid, self.row_slots = keys, values, valid, row_slots
-        self.limit = self.max_len
         self.views = [SlotLayerView(k, v, row_slots) for k, v in zip(keys, values)]
 
     def state(self) -> list[torch.Tensor]:
@@ -85,12 +87,15 @@ class SlotCache:
         first rows of the big cache, written in place), validity and each row's slot (read only)."""
         return [*self.keys, *self.values, self.valid, self.row_slots]
 
-    def mark_valid(self, slots: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
-        return self.valid[:, : self.limit]  # this step's tokens are seen at the scratch column
+    def mark_valid(
+        self, slots: torch.Tensor, new_valid: torch.Tensor, length: int | None = None
+    ) -> torch.Tensor:
+        return self.valid[:, :length]  # this step's tokens are seen at the scratch column
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        keys, values = self.views[layer].update(layer, k, v, slots)
-        return keys[:, :, : self.limit], values[:, :, : self.limit]
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
+    ):
+        return self.views[layer].update(layer, k, v, slots, length)
 
     def commit(self, active: torch.Tensor) -> None:
         """After a step: the slots the `active` rows [rows] bool just wrote hold valid keys from now on."""
@@ -103,12 +108,14 @@ class SlotLayerView:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor) -> None:
         self.keys, self.values, self.row_slots = keys, values, row_slots
 
-    def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(
+        self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
+    ):
         where = self.row_slots[:, None, :, None].expand_as(k)
         for store, new in ((self.keys, k), (self.values, v)):
             store.scatter_(2, where, new)  # the row's own slot
             store.index_copy_(2, slots, new)  # the scratch column, where this step's queries see it
-        return self.keys, self.values
+        return self.keys[:, :, :length], self.values[:, :, :length]
 
 
 def copy_rows(cache: StaticCache, source: int, targets: list[int], width: int) -> None:

@@ -87,12 +87,15 @@ class Decoder(nn.Module):
         slots: torch.Tensor | None = None,
         last_only: bool = False,
         layer_fn=None,
+        length: int | None = None,
     ) -> torch.Tensor:
         """Logits for input_ids [b, s].
 
         attention_mask [b, s] marks real tokens (0 = left padding). With a cache, `slots` [s] are the
         cache positions written by this call and `positions` [b, s] the rotary positions. layer_fn, with a
         static cache, runs each layer as layer_fn(layer, x, cos, sin, mask, cache.views[i], slots).
+        length: the cache slots attention reads, the first `length` (None: the whole cache); a Python int,
+        so a compiled step that passes its cache's full length keeps fixed shapes.
         """
         b, s = input_ids.shape
         device = input_ids.device
@@ -105,7 +108,7 @@ class Decoder(nn.Module):
         if slots is None:
             slots = torch.arange(s, device=device)
         if cache is not None:
-            key_valid = cache.mark_valid(slots, attention_mask)
+            key_valid = cache.mark_valid(slots, attention_mask, length)
         else:
             self.ensure_rope(s, device)  # without a cache, the caller has not sized the tables
             key_valid = attention_mask
@@ -127,7 +130,7 @@ class Decoder(nn.Module):
             kind = 1 if self.sliding[i] else 0  # an int: dynamo (torch 2.11) rejects a bool index
             r, m = ropes[kind], masks[kind]
             if layer_fn is None:
-                x = layer(x, r, m, cache, slots)
+                x = layer(x, r, m, cache, slots, length)
             else:  # one compiled layer body for every layer; each gets its own view of the cache
                 x = layer_fn(layer, x, r[0], r[1], m, cache.views[i], slots)
         if last_only:

@@ -27,7 +27,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x, rope, mask, cache=None, slots=None):
-        attn = self.self_attn(self.input_layernorm(x), rope, mask, cache, slots)
+    def forward(self, x, rope, mask, cache=None, slots=None, length=None):
+        attn = self.self_attn(self.input_layernorm(x), rope, mask, cache, slots, length)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

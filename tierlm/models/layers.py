@@ -231,8 +231,15 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache, slots
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache,
+        slots,
+        length: int | None = None,
     ):
+        """length: the cache slots attended over (the first `length`; None: the whole cache)."""
         b, s, _ = x.shape
         q, k, v = self.project(x)
         q = q.view(b, s, self.num_heads, self.head_dim)
@@ -244,7 +251,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, slots)
+            k, v = cache.update(self.layer_idx, k, v, slots, length)
         if (s == 1 and self.grouped_decode) or self.softcap is not None:  # SDPA has no softcap
             out = grouped_attention(q, k, v, mask, self.scale, self.softcap)  # decode: never expand K/V
         else:
@@ -260,6 +267,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, mask, cache=None, slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, slots)
+    def forward(self, x, rope, mask, cache=None, slots=None, length=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, slots, length)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,147 @@
+"""Compiled decode steps, built only after compile.decide() said yes, once per shape, and reused.
+
+A step is keyed by (compile config, batch, cache length, dtype, cache kind) and closes over its cache: a
+static cache's step and a continuous batch's (SlotCache) of one shape read different tensors and are never
+taken for each other. Steps packaged ahead of time (tierlm.aot) are loaded here too, when they apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from tierlm.compile import CompileConfig, streamed_config
+from tierlm.models.decoder import run_layer
+from tierlm.placement.offload import canonical_strides
+from tierlm.weights import gguf_cache
+
+log = logging.getLogger("tierlm")
+
+# torch reads inductor's `freezing` flag from its process-wide config while dynamo traces, with no per-call
+# way to set it, and the server calls the model from a worker thread: every first (tracing) call of a step
+# holds this lock while it sets the flag, so no other thread traces under a flag it did not ask for.
+_TRACING = threading.Lock()
+
+
+class CompiledSteps(Mapping):
+    """A model's compiled decode steps by key (compile config, batch, cache length, dtype, cache kind)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple, object] = {}
+
+    def __getitem__(self, key: tuple) -> object:
+        return self._steps[key]
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def drop(self, batch: int, length: int) -> None:
+        """Forget the steps built for caches of (batch, length) (their cache was let go)."""
+        self._steps = {k: v for k, v in self._steps.items() if k[1:3] != (batch, length)}
+
+    def step(self, model, cache, compile_config: CompileConfig | None):
+        """The step for `cache` under `compile_config`: found, loaded from model.packages, or built."""
+        cc = compile_config or CompileConfig()
+        if model.streamer is not None:  # a whole step cannot take streamed weights: as decide() says
+            cc = streamed_config(cc, str(model.device))
+        key = (cc, cache.batch, cache.max_len, model.dtype, type(cache).__name__)
+        step = self._steps.get(key)
+        if step is None and model.packages is not None and model.packages.applies(cc, cache):
+            step = model.packages.step(cache, cc)  # loaded, or built once
+        if step is None:
+            step = build(model, cache, cc)
+        self._steps[key] = step
+        return step
+
+
+def build(model, cache, cc: CompileConfig) -> CompiledStep:
+    """The decode step over `cache` compiled with torch.compile: the whole step (scope "model") or one
+    layer body run for every layer (scope "layer"), with streamed weights fetched outside it."""
+    # A persistent per-user inductor cache, so a second process starts warm.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))
+    device, decoder, streamer = model.device, model.decoder, model.streamer
+    ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=device)
+    kwargs = cc.compile_kwargs(str(device))
+    layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
+    if layer_fn is not None and streamer is not None and streamer.streams_layers():
+        decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all
+        for layer in decoder.model.layers:
+            canonical_strides(layer)
+        layer_fn = streamer.around_layers(layer_fn)  # fetch/release outside the compiled body
+    length = cache.max_len  # fixed shapes: the step always reads the whole cache
+
+    def decode_step(tokens, positions, slots):
+        logits = decoder(
+            tokens, ones, positions=positions, cache=cache, slots=slots, layer_fn=layer_fn, length=length
+        )
+        return logits[:, -1].float()
+
+    if cc.scope == "model" and device.type == "cuda":
+        _static_addresses(cache)
+    compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
+    freezing = bool(kwargs.get("options", {}).get("freezing"))
+    what = (
+        f"the decode step (scope {cc.scope}, mode {cc.resolved_mode(str(device))}, "
+        f"batch {cache.batch}, cache {cache.max_len})"
+    )
+    if cc.scope == "model" and device.type == "cpu":
+        what += "; a cold whole-model compile takes minutes on a CPU"
+    return CompiledStep(compiled, cache, freezing, cc.scope == "model", what)
+
+
+def _static_addresses(cache) -> None:
+    """Tell dynamo that the cache's tensors keep their addresses: the step writes them in place, and
+    CUDA graphs (reduce-overhead) are skipped for a graph that mutates inputs not known to be static."""
+    for value in vars(cache).values():
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t)
+
+
+class CompiledStep:
+    """Calls a compiled decode step: step(tokens, positions, slots, length) -> logits [batch, vocab].
+
+    The first call traces and compiles. Dynamo reads inductor's `freezing` flag while tracing (to make
+    the weights graph attributes that inductor folds and prepacks); options given to torch.compile only
+    reach inductor, so the flag is set around that call (under _TRACING), else nothing would be frozen.
+    Later calls of a whole-model step skip dynamo's guard evaluation (~0.8 ms a step for ~300 weight
+    guards): the step is built for one cache and one (batch, length), its inputs keep their shapes and
+    dtypes, and inductor still asserts each input's size and stride. `length` is not read: the step
+    always attends over the whole cache.
+    """
+
+    def __init__(self, compiled, cache, freezing: bool, skip_guards: bool, what: str) -> None:
+        self.compiled, self.cache = compiled, cache
+        self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
+        self.traced = False
+
+    def __call__(self, tokens, positions, slots, length):
+        if not self.traced:
+            with _TRACING:
+                return self._trace(tokens, positions, slots)
+        if self.skip_guards:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self.compiled(tokens, positions, slots)
+        return self.compiled(tokens, positions, slots)  # a layer body: never frozen, guards kept
+
+    def _trace(self, tokens, positions, slots):
+        inductor_config = torch._inductor.config
+        old = inductor_config.freezing
+        inductor_config.freezing = self.freezing or old
+        start = time.perf_counter()
+        log.info("compiling %s ...", self.what)
+        try:
+            logits = self.compiled(tokens, positions, slots)
+        finally:
+            inductor_config.freezing = old
+        log.info("compiled in %.1f s", time.perf_counter() - start)
+        self.traced = True
+        return logits
