@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tierlm.models.decoder import Decoder
+from tierlm.module_names import under
 from tierlm.placement.offload import Streamer, Unit
 from tierlm.placement.placer import Placement, disk_sources, offload_key
 from tierlm.plan import LoadPlan
@@ -105,7 +106,7 @@ def stream_step(plan: LoadPlan, loading: Loading) -> None:
     units = []
     for tier in ("cpu", "disk"):
         for unit in placement.offloaded[tier]:
-            members = [n for n in params if n == unit or n.startswith(unit + ".")]
+            members = [n for n in params if under(n, unit)]
             sources = {n[len(unit) + 1 :]: (disk[n] if tier == "disk" else params[n]) for n in members}
             units.append(Unit(unit, tier, sources))
     order = {name: i for i, name in enumerate(placement.module_map)}

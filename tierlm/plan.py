@@ -16,6 +16,7 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.models.decoder import Decoder
 from tierlm.models.layers import FUSED_PROJECTIONS
+from tierlm.module_names import under
 from tierlm.placement.device_map import format_bytes, format_modules
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve
 from tierlm.weights import gguf_cache
@@ -92,9 +93,7 @@ def plan(
     names, sizes, tied = parameter_table(cfg, target, quant)
     kv = kv_bytes_per_token(cfg, target)
     placement = resolve(names, sizes, device_map, max_memory, str(dev), tied, kv, execution_device)
-    module_bytes = {
-        m: sum(b for n, b in sizes.items() if n == m or n.startswith(m + ".")) for m in placement.module_map
-    }
+    module_bytes = {m: sum(b for n, b in sizes.items() if under(n, m)) for m in placement.module_map}
     with torch.device("meta"):
         probe = Decoder(cfg)
     transposed = frozenset()
@@ -152,7 +151,7 @@ def _fusion(
     table = []
     for i in range(len(probe.model.layers)):
         layer = f"model.layers.{i}"
-        if any(layer == u or layer.startswith(u + ".") or u.startswith(layer + ".") for u in offloaded):
+        if any(under(layer, u) or under(u, layer) for u in offloaded):
             continue
         for parent, parts in FUSED_PROJECTIONS.items():
             module = f"{layer}.{parent}"
