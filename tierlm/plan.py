@@ -95,16 +95,12 @@ def plan(
     placement = resolve(names, sizes, device_map, max_memory, str(dev), tied, kv, execution_device)
     module_bytes = {m: sum(b for n, b in sizes.items() if under(n, m)) for m in placement.module_map}
     with torch.device("meta"):
-        probe = Decoder(cfg)
+        probe = Decoder(cfg)  # module shapes, no storage
     transposed = frozenset()
     if transposes_wide_weights(target, placement.device, quantize):
         transposed = frozenset(wide_weight_names(probe, tied))
     fusion = _fusion(probe, placement, quant, target, transposed)
     widen = target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill
-    generation = GenerationConfig(
-        cache_implementation=cache, compile_config=CompileConfig() if compile else None
-    )
-    device_str = str(placement.device)
     return LoadPlan(
         path=path,
         config=cfg,
@@ -120,9 +116,17 @@ def plan(
         transposed=transposed,
         fusion=fusion,
         offload_folder=Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload",
-        decision=decide(placement.module_map, cache, generation, device=device_str, layers=cfg.num_layers),
+        decision=_decision(placement, cache, compile, cfg.num_layers),
         steps=_steps(widen, quant is not None, bool(transposed), not placement.resident, bool(fusion)),
     )
+
+
+def _decision(placement: Placement, cache: str, compile: bool, layers: int) -> CompileDecision:
+    """decide() for a generate call with this cache kind, and a default CompileConfig if `compile`."""
+    generation = GenerationConfig(
+        cache_implementation=cache, compile_config=CompileConfig() if compile else None
+    )
+    return decide(placement.module_map, cache, generation, device=str(placement.device), layers=layers)
 
 
 def _steps(*applies: bool) -> tuple[str, ...]:

@@ -112,17 +112,7 @@ class Decoder(nn.Module):
         else:
             self.ensure_rope(s, device)  # without a cache, the caller has not sized the tables
             key_valid = attention_mask
-        mask = attention_mask_4d(key_valid, slots)
-        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        masks, ropes = (mask, mask), (rope, rope)  # indexed by "is this layer sliding"
-        if any(self.sliding):
-            if cache is not None:  # the keys a sliding layer sees: their columns and validity
-                key_cols, window_valid = cache.sliding_keys(slots, attention_mask)
-            else:
-                key_cols, window_valid = slots, attention_mask
-            local = attention_mask_4d(window_valid, slots, key_cols, cfg.sliding_window)
-            masks = (mask, local)
-            ropes = (rope, (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)))
+        masks, ropes = self._masks_and_ropes(key_valid, attention_mask, positions, slots, cache)
         x = self.model.embed_tokens(input_ids)
         if cfg.family.embed_scale:
             x = x * self.embed_scales[x.dtype]
@@ -140,6 +130,20 @@ class Decoder(nn.Module):
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _masks_and_ropes(self, key_valid, attention_mask, positions, slots, cache):
+        """(masks, rotary tables), each a pair indexed by "is this layer sliding" (0: full attention)."""
+        mask = attention_mask_4d(key_valid, slots)
+        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        if not any(self.sliding):
+            return (mask, mask), (rope, rope)
+        if cache is not None:  # the keys a sliding layer sees: their columns and validity
+            key_cols, window_valid = cache.sliding_keys(slots, attention_mask)
+        else:
+            key_cols, window_valid = slots, attention_mask
+        local = attention_mask_4d(window_valid, slots, key_cols, self.config.sliding_window)
+        local_rope = (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))
+        return (mask, local), (rope, local_rope)
 
 
 def run_layer(layer: nn.Module, x, cos, sin, mask, cache_view, slots) -> torch.Tensor:
