@@ -165,16 +165,7 @@ def load(
     The load is a LoadPlan (tierlm.plan, from the checkpoint's header) whose steps then run in order
     (tierlm.loading); the model keeps it as `.plan`.
     """
-    load_plan = plan(
-        path,
-        dtype=dtype,
-        device=device,
-        device_map=device_map,
-        max_memory=max_memory,
-        offload_folder=offload_folder,
-        execution_device=execution_device,
-        quantize=quantize,
-        group_size=group_size,
-    )
+    arguments = {k: v for k, v in locals().items() if k != "progress"}  # all but progress are the plan's
+    load_plan = plan(**arguments)
     done = execute(load_plan, progress)
     return Model(done.decoder, load_plan.path, done.tokenizer, load_plan.placement, done.streamer, load_plan)
