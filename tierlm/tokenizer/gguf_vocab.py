@@ -72,31 +72,12 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:
     """The `tokenizer.*` metadata of a GGUF file as plain Python values."""
-    from gguf import GGUFReader  # reading maps the whole file; keep it off the import path
+    # Reading maps the whole file: keep it off the import path.
+    from tierlm.gguf_read import metadata, open_gguf
 
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OSError) as err:
-        raise ValueError(f"cannot read {path} as GGUF: {err}") from err
-    return {
-        name: _field_value(field)
-        for name, field in reader.fields.items()
-        if name.startswith("tokenizer.") or name == "general.architecture"
-    }
-
-
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
-
-    def scalar(part: Any) -> Any:
-        if field.types[-1] == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        return part.tolist()[0]
-
-    values = [scalar(field.parts[i]) for i in field.data]
-    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+    return metadata(
+        open_gguf(path), lambda key: key.startswith("tokenizer.") or key == "general.architecture"
+    )
 
 
 def _byte_level_backend(meta: dict[str, Any]) -> BackendTokenizer:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from tierlm.config import ModelConfig
+from tierlm.gguf_read import metadata, open_gguf
 from tierlm.weights.names import gguf_to_hf_name, unpermute_qk
 
 SUPPORTED_TYPES = (
@@ -36,10 +35,8 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
-        self.reader = _read(self.path)
-        self.metadata = read_metadata(self.reader)
+        self.reader = open_gguf(self.path)
+        self.metadata = metadata(self.reader, token_arrays=False)
         self.reader.fields.clear()  # ~160 MB of per-token Python objects; the tensors do not need them
         self.tensors = {}
         arch = self.metadata.get("general.architecture")
@@ -109,106 +106,3 @@ def _dequantize_rows(raw: np.ndarray, qtype: Q, rows_per_chunk: int = 2048) -> t
         chunk = dequantize(raw[start : start + rows_per_chunk], qtype)
         out[start : start + chunk.shape[0]] = torch.from_numpy(chunk)
     return out
-
-
-def _read(path: Path) -> GGUFReader:
-    reader = _LocatingReader.__new__(_LocatingReader)  # built in two steps: a failed one is still there
-    try:
-        reader.__init__(path)
-    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged files
-        where = str(e)
-        if getattr(reader, "phase", None):  # past the magic and version: say what it was reading
-            try:
-                where = reader.failed_at(path)
-            except Exception:  # a file damaged past describing: gguf's own message
-                pass
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {where}") from None
-    return reader
-
-
-class _LocatingReader(GGUFReader):
-    """GGUFReader that remembers what it was reading, so a damaged file's error names the metadata key or
-    the tensor instead of numpy's complaint about it."""
-
-    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
-        if offset + np.dtype(dtype).itemsize * int(count) > len(self.data):  # numpy would cut it short
-            raise ValueError("read past the end of the file")
-        return super()._get(offset, dtype, count, override_order)
-
-    def _push_field(self, field, skip_sum: bool = False) -> int:
-        self.phase, self.last_field = "metadata", field
-        return super()._push_field(field, skip_sum)
-
-    def _build_tensor_info(self, offs: int, count: int):
-        self.phase, self.infos, self.info_count = "tensor info", [], int(count)
-        return super()._build_tensor_info(offs, count)
-
-    def _get_tensor_info_field(self, orig_offs: int):
-        self.info_offset = orig_offs
-        field = super()._get_tensor_info_field(orig_offs)
-        self.infos.append(field)
-        return field
-
-    def _build_tensors(self, start_offs: int, fields) -> None:
-        self.phase, built = "tensors", []
-        for field in fields:  # one at a time, to know which one fails
-            self.current = field
-            super()._build_tensors(start_offs, [field])
-            if any(t.name == self.tensors[0].name for t in built):
-                raise ValueError(f"tensor {self.tensors[0].name} appears twice")
-            built.extend(self.tensors)
-        self.tensors = built
-
-    def failed_at(self, path: Path) -> str:
-        """What could not be read: a metadata key, a tensor's description, or a tensor's data."""
-        if self.phase == "metadata" and self.last_field.name == "GGUF.version":
-            return "the header's tensor and metadata counts could not be read"
-        if self.phase == "metadata":
-            last = self.last_field
-            key = self._string_at(last.offset + sum(int(p.nbytes) for p in last.parts))
-            named = f'key "{key}"' if key else f'entry after "{last.name}"'
-            return f"metadata {named} could not be read"
-        if self.phase == "tensor info" and len(self.infos) == self.info_count:
-            return "the tensor data offset could not be found (bad general.alignment?)"
-        if self.phase == "tensor info":
-            name = self._string_at(self.info_offset)
-            n = len(self.infos) + 1
-            return f"the description of tensor {name or n} ({n} of {self.info_count}) could not be read"
-        name = str(bytes(self.current.parts[1]), encoding="utf-8")
-        return f"tensor {name} could not be read ({self._data_problem(path)})"
-
-    def _string_at(self, offs: int) -> str | None:
-        """A GGUF string (u64 length, utf-8 bytes) at `offs`, if one is readable there."""
-        try:
-            _, data = self._get_str(offs)
-            text = str(bytes(data), encoding="utf-8")
-        except Exception:
-            return None
-        return text if 0 < len(text) <= 256 and text.isprintable() else None
-
-    def _data_problem(self, path: Path) -> str:
-        _, _, _, dims, raw_type, offset = self.current.parts
-        try:
-            block, type_size = GGML_QUANT_SIZES[Q(int(raw_type[0]))]
-        except (ValueError, KeyError):
-            return f"unknown tensor type {int(raw_type[0])}"
-        end = self.data_offset + int(offset[0]) + int(np.prod(dims.astype(np.float64))) * type_size // block
-        size = path.stat().st_size
-        return (
-            f"its data ends at byte {end}, past the end of the file at {size}"
-            if end > size
-            else "its shape does not fit its type"
-        )
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """GGUF key/values as Python values; large token arrays are skipped (the tokenizer reads those)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and field.types[:1] == [GGUFValueType.ARRAY]:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # unreadable values are metadata tierlm does not need
-            continue
-    return meta
