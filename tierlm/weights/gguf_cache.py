@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from tierlm.config import ModelConfig, RopeScaling
+from tierlm.weights import safetensors_write
 from tierlm.weights.files import atomic_write, file_identity, identity_key
-from tierlm.weights.safetensors import CODES, SafetensorsCheckpoint
+from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
 
 
@@ -84,33 +85,9 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
 
 
 def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, tensors) -> None:
-    """Stream (name, tensor) pairs into a safetensors file whose header is known up front."""
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        nbytes = dtype.itemsize * _numel(shape)
-        header[name] = {
-            "dtype": CODES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
-        for name, t in tensors:
-            if tuple(t.shape) != tuple(shapes[name]) or t.dtype != dtype:
-                raise ValueError(
-                    f"tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shapes[name]} {dtype}"
-                )
-            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().data)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    """Stream (name, tensor) pairs, all of one dtype, into a safetensors file whose header is known up front
+    (the one writer; a name of its own here so tests can stand in for it and kill a write half-way)."""
+    safetensors_write.write_safetensors(path, {n: (dtype, tuple(s)) for n, s in shapes.items()}, tensors)
 
 
 def source_tensor_types(gguf_path: Path) -> dict[str, str]:
