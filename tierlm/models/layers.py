@@ -11,31 +11,32 @@ from torch import nn
 from tierlm.config import ModelConfig, RopeScaling
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: scales by (1 + weight), in fp32, then rounds to the input dtype (as HF does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in fp32."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
+    initial = 1.0  # the weight a new norm starts from (checkpoints overwrite it)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.initial))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, scale in the input dtype (as Hugging Face does, for identical rounding).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * _normalized(x, self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in fp32, then rounds to the input dtype (as HF does)."""
+
+    initial = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
