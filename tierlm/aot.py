@@ -46,7 +46,7 @@ log = logging.getLogger("tierlm")
 FORMAT = 1  # bump when what a package holds or how it is called changes
 PACKAGE = "step.pt2"
 # tierlm's sources that shape the exported graph: a package built from other code is another package.
-CODE = ("models", "quant.py", "cache.py", "aot.py", "generation/slots.py")
+CODE = ("config.py", "families.py", "models", "quant.py", "cache.py", "aot.py", "generation/slots.py")
 MAX_LOADED = 4  # loaded packages a model keeps (each holds its own frozen weights), as it keeps static caches
 
 
@@ -105,7 +105,7 @@ def code_digest() -> str:
     )
     digest = hashlib.sha256()
     for p in files:
-        digest.update(p.name.encode() + b"\0" + p.read_bytes())
+        digest.update(str(p.relative_to(here)).encode() + b"\0" + p.read_bytes())
     return digest.hexdigest()[:16]
 
 
