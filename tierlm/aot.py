@@ -349,9 +349,12 @@ class PackagedStep:
     def __init__(self, runner, cache: StaticCache | SlotCache, package: Package, how: str) -> None:
         self.runner, self.cache, self.package, self.how = runner, cache, package, how
         self.state = state_tensors(cache)
+        # The loaded model's own __call__ parses its input and output tree specs again on every call; the
+        # step's inputs are flat tensors already and its output is one tensor, so the runner is called as is.
+        self.run = runner.loader.boxed_run
 
     def __call__(self, tokens, positions, slots, length):
-        return self.runner(tokens, positions, slots, *self.state)
+        return self.run([tokens, positions, slots, *self.state])[0]
 
     def explain(self) -> str:
         return f"compiled step: {self.how}"
