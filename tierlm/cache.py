@@ -47,7 +47,9 @@ class StaticCache:
         self.ring_cols = torch.full((ring,), -1, dtype=torch.long, device=device)
         self.ring_valid = torch.zeros(batch, ring, dtype=torch.bool, device=device)
         for t in (*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid):
-            torch._dynamo.mark_static_address(t)
+            # What torch._dynamo.mark_static_address(t) does (these tensors keep their addresses), without
+            # importing torch._dynamo, which imports inductor: ~1.5 s of a process that never compiles.
+            t._dynamo_static_input_type = "unguarded"
         self.views = [
             RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v)
             for i, (k, v) in enumerate(zip(self.keys, self.values))

@@ -12,6 +12,14 @@ from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, fu
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
 
+def _embedding(vocab: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its random init on the meta device (where load and plan build the decoder):
+    normal_ on a meta tensor imports torch._dynamo and torch._inductor, ~1.7 s of every load; a checkpoint
+    overwrites the weight anyway."""
+    weight = torch.empty(vocab, dim)  # on the device of the surrounding `with torch.device(...)`
+    return nn.Embedding(vocab, dim, _weight=weight) if weight.is_meta else nn.Embedding(vocab, dim)
+
+
 class DecoderBody(nn.Module):
     """`model.*` in HF naming: embed_tokens, layers, norm."""
 
@@ -19,7 +27,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         gemma = cfg.family.gemma_norms
         layer = Gemma3DecoderLayer if gemma else DecoderLayer
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = (GemmaRMSNorm if gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
