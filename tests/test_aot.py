@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -164,6 +165,30 @@ def test_package_loaded_in_a_new_process_matches_jit_without_compiling(built, ti
     assert result["token_ids"] == jit_tokens  # fp32: exactly the JIT-compiled step's tokens
 
 
+def test_a_warm_start_does_not_import_inductor(built, tiny, jit_tokens):
+    """Importing torch._inductor costs about 2 s; a process that only loads packages never needs it."""
+    store, _ = built
+    script = textwrap.dedent(
+        f"""
+        import sys, json, tierlm
+        from tierlm import CompileConfig, GenerationConfig
+        model = tierlm.load({str(tiny)!r}, dtype="float32")
+        model.use_compiled_packages()  # as generate --compile does: the store under $TIERLM_CACHE_DIR
+        cc = CompileConfig(mode="default")
+        gen = model.start([{PROMPT!r}], GenerationConfig(max_new_tokens={N}, min_new_tokens={N},
+                                                          do_sample=False, compile_config=cc))
+        list(gen.stream())
+        inductor = "torch._inductor" in sys.modules
+        print(json.dumps({{"inductor": inductor, "how": gen.step.how, "tokens": gen.result().token_ids[0]}}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=cli_env(store), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["how"].startswith("loaded package") and seen["tokens"] == jit_tokens
+    assert seen["inductor"] is False
+
+
 def copy_store(store: Path, tmp_path: Path) -> Path:
     root = tmp_path / "aot"
     shutil.copytree(store / "aot", root)
@@ -268,8 +293,10 @@ KEY_CHANGES = {
         mp.setattr(cpu, "detect", another_cpu()),
         aot.package_key(m, 1, 256, CC),
     )[1],
-    "cpu_vector_isa": lambda m, mp: (
-        mp.setattr("torch._inductor.cpu_vec_isa.pick_vec_isa", lambda: "amx_or_other"),
+    "cpu_vector_extensions": lambda m, mp: (  # the probes inductor picks its kernels' instruction set from
+        mp.setattr(
+            torch.cpu, "_is_amx_tile_supported", (lambda v: lambda: v)(not torch.cpu._is_amx_tile_supported())
+        ),
         aot.package_key(m, 1, 256, CC),
     )[1],
     "tierlm_code": lambda m, mp: (

@@ -64,18 +64,21 @@ def store_root() -> Path:
     return cache_root() / "aot"
 
 
+# The vector extensions inductor chooses its C++ kernels' instruction set from (cpu_vec_isa.pick_vec_isa reads
+# these same torch.cpu probes); read here directly, because importing torch._inductor costs ~2 s of start-up.
+VECTOR_PROBES = ("avx2", "avx512", "vnni", "avx512_bf16", "amx_tile", "amx_fp16")
+
+
 def cpu_features() -> dict:
     """The instruction set a package's kernels are compiled for: torch's dispatch level, the extensions
-    tierlm reads, and the vector ISA inductor picks for its C++ kernels."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
+    tierlm reads, and the vector extensions inductor picks its kernels' instruction set from."""
     f = cpu.detect()
     return {
         "capability": f.capability,
         "native_bf16": f.native_bf16,
         "amx": f.amx,
         "vnni": f.vnni,
-        "vec_isa": str(pick_vec_isa()),
+        "vector": sorted(n for n in VECTOR_PROBES if getattr(torch.cpu, f"_is_{n}_supported")()),
     }
 
 
@@ -133,7 +136,9 @@ def package_key(model, batch: int, cache_len: int, cc: CompileConfig, step: str 
         "batch": batch,
         "cache_len": cache_len,
         "compile": config,
-        "inductor": sorted((k, repr(v)) for k, v in inductor_options(cc, device).items()),
+        # inductor's options are the resolved mode's (fixed by the torch version, in the key) plus the
+        # config's; resolved here without importing torch._inductor (~2 s of a warm start)
+        "inductor": {"mode": cc.resolved_mode(device), "freezing": cc.resolved_freezing(device)},
         "device": device,
         "torch": torch.__version__,
         "cpu": cpu_features(),
@@ -206,7 +211,7 @@ def find(key: dict, root: Path | None = None, quiet: bool = False) -> Package | 
 def _cpu_words(features) -> str:
     if not isinstance(features, dict):
         return "unknown"
-    return f"{features.get('capability')}, vector ISA {features.get('vec_isa')}"
+    return f"{features.get('capability')}, vector extensions {', '.join(features.get('vector') or ['none'])}"
 
 
 def _reject(folder: Path, problem: str) -> None:
@@ -349,9 +354,8 @@ class PackagedStep:
     def __init__(self, runner, cache: StaticCache | SlotCache, package: Package, how: str) -> None:
         self.runner, self.cache, self.package, self.how = runner, cache, package, how
         self.state = state_tensors(cache)
-        # The loaded model's own __call__ parses its input and output tree specs again on every call; the
-        # step's inputs are flat tensors already and its output is one tensor, so the runner is called as is.
-        self.run = runner.loader.boxed_run
+        # The step's inputs are flat tensors and its output one tensor: no call-spec (un)flattening.
+        self.run = runner.boxed_run
 
     def __call__(self, tokens, positions, slots, length):
         return self.run([tokens, positions, slots, *self.state])[0]
@@ -441,7 +445,9 @@ class Packages:
 
 
 def load(package: Package):
-    return torch._inductor.aoti_load_package(str(package.path))
+    """The package's runner. torch._inductor.aoti_load_package wraps this same C++ loader, but importing it
+    imports torch._inductor (~2 s) and its call re-reads the call spec each step; the step needs neither."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(package.path), "model", False, 1, -1)
 
 
 def _try_load(package: Package):

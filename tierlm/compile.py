@@ -71,6 +71,12 @@ class CompileConfig:
             return "reduce-overhead" if self.scope == "model" else "default"
         return "max-autotune-no-cudagraphs" if self.scope == "model" else "default"
 
+    def resolved_freezing(self, device: str) -> bool:
+        """Whether inductor freezes the weights: on the CPU unless the config says otherwise, and only for
+        the whole step (a shared layer body takes its weights as inputs)."""
+        freezing = self.freezing if self.freezing is not None else not device.startswith("cuda")
+        return freezing and self.scope == "model"
+
     def compile_kwargs(self, device: str) -> dict[str, Any]:
         """Keyword arguments for torch.compile: inductor options carry the mode (both cannot be passed)."""
         kwargs: dict[str, Any] = {
@@ -83,8 +89,7 @@ class CompileConfig:
         import torch._inductor
 
         options = dict(torch._inductor.list_mode_options(self.resolved_mode(device)))
-        freezing = self.freezing if self.freezing is not None else not device.startswith("cuda")
-        freezing = freezing and self.scope == "model"  # a shared layer body takes weights as inputs
+        freezing = self.resolved_freezing(device)
         options.update({"freezing": freezing, "cpp_wrapper": self.cpp_wrapper}, **(self.options or {}))
         kwargs["options"] = options
         return kwargs
