@@ -38,6 +38,7 @@ from tierlm import cpu
 from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig
 from tierlm.generation.slots import SlotCache
+from tierlm.step_export import StepModule, state_tensors, step_kind
 from tierlm.weights.files import commit_folder, file_identity, identity_key
 from tierlm.weights.gguf_cache import cache_root
 from tierlm.weights.temporaries import remove_stale_temporaries, temporary
@@ -46,7 +47,16 @@ log = logging.getLogger("tierlm")
 FORMAT = 1  # bump when what a package holds or how it is called changes
 PACKAGE = "step.pt2"
 # tierlm's sources that shape the exported graph: a package built from other code is another package.
-CODE = ("config.py", "families.py", "models", "quant.py", "cache.py", "aot.py", "generation/slots.py")
+CODE = (
+    "config.py",
+    "families.py",
+    "models",
+    "quant.py",
+    "cache.py",
+    "aot.py",
+    "step_export.py",
+    "generation/slots.py",
+)
 MAX_LOADED = 4  # loaded packages a model keeps (each holds its own frozen weights), as it keeps static caches
 
 
@@ -238,74 +248,6 @@ def build_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-class _StepModule(torch.nn.Module):
-    """The decode step as a module for torch.export: the cache's tensors are inputs it mutates in place."""
-
-    def __init__(self, decoder: torch.nn.Module, cache: StaticCache | SlotCache) -> None:
-        super().__init__()
-        self.decoder = decoder
-        self.cache = cache
-
-    def forward(self, tokens, positions, slots, *state):
-        ones = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
-        if isinstance(self.cache, SlotCache):  # a SlotCache over the inputs themselves
-            cache = SlotCache.over(state)
-            logits = self.decoder(tokens, ones, positions=positions, cache=cache, slots=slots)
-        else:
-            with _swapped(self.cache, state):
-                logits = self.decoder(tokens, ones, positions=positions, cache=self.cache, slots=slots)
-        return logits[:, -1].float()
-
-
-def step_kind(cache) -> str:
-    """'slots' for continuous batching's SlotCache, else 'static'."""
-    return "slots" if isinstance(cache, SlotCache) else "static"
-
-
-def state_tensors(cache) -> list[torch.Tensor]:
-    """Every tensor the cache holds (keys, values, validity, ...), once each, in a stable order: a
-    SlotCache's are its views and row slots (`SlotCache.state()`), never the big cache behind them."""
-    if isinstance(cache, SlotCache):
-        return cache.state()
-    seen: dict[int, torch.Tensor] = {}
-    for _owner, _name, _index, t in _tensor_slots(cache):
-        seen.setdefault(id(t), t)
-    return list(seen.values())
-
-
-def _tensor_slots(obj, depth: int = 0):
-    """(owner, attribute, list index or None, tensor) for each tensor in the cache and its layer views."""
-    for name, value in vars(obj).items():
-        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-        for index, item in items:
-            if isinstance(item, torch.Tensor):
-                yield obj, name, index, item
-            elif depth < 2 and type(item).__module__ == StaticCache.__module__:
-                yield from _tensor_slots(item, depth + 1)
-
-
-@contextmanager
-def _swapped(cache, tensors):
-    """The cache's tensors replaced by `tensors` (same order as state_tensors) for one traced call."""
-    slots = list(_tensor_slots(cache))
-    order = {id(t): i for i, t in enumerate(state_tensors(cache))}
-    put = [(owner, name, index, tensors[order[id(t)]]) for owner, name, index, t in slots]
-    try:
-        for owner, name, index, t in put:
-            _assign(owner, name, index, t)
-        yield
-    finally:
-        for owner, name, index, t in slots:
-            _assign(owner, name, index, t)
-
-
-def _assign(owner, name, index, tensor) -> None:
-    if index is None:
-        setattr(owner, name, tensor)
-    else:
-        getattr(owner, name)[index] = tensor
-
-
 def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, root: Path) -> Package:
     """Export and compile the decode step for `cache`'s shape into the store (under its lock)."""
     device = str(model.device)
@@ -327,9 +269,7 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
             )
             model.decoder.ensure_rope(cache.max_len, model.device)
             # fixed shapes: _StepModule's forward passes no `length`, so the step reads the whole cache
-            exported = torch.export.export(
-                _StepModule(model.decoder, cache), (*example, *state), strict=False
-            )
+            exported = torch.export.export(StepModule(model.decoder, cache), (*example, *state), strict=False)
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(tmp / PACKAGE), inductor_configs=inductor_options(cc, device)
             )

@@ -125,19 +125,7 @@ class Generation:
         self.cache = self._make_cache(self.batch.ids.shape[1], own_cache)
         if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
             raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
-        self.decision = decide(
-            model.device_map,
-            self.cache,
-            config,
-            uncompilable=model.uncompilable_reasons(),
-            device=str(model.device),  # the resolved execution device: it honours execution_device=
-            layers=model.config.num_layers,
-        )
-        warn_if_skipped(self.decision, config)
-        if own_cache and self.decision.compile:
-            raise ValueError(
-                "a generation with its own cache cannot use the compiled step (set disable_compile)"
-            )
+        self.decision = self._decide(own_cache)
         self.step = self._step()  # taken now, beside the cache it is built for
         self.prefilled = False  # the whole prompt is in the cache
         self._units: Iterator[list[StepEvent]] | None = None
@@ -149,6 +137,25 @@ class Generation:
             self.trackers = [TextTracker(tok.stream_decoder(), s) for s in stops]
         elif any(stops):
             raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def _decide(self, own_cache: bool):
+        """The compile decision for this generation's cache (warned once per cause when it skips a compile
+        the config asked for)."""
+        model, config = self.model, self.config
+        decision = decide(
+            model.device_map,
+            self.cache,
+            config,
+            uncompilable=model.uncompilable_reasons(),
+            device=str(model.device),  # the resolved execution device: it honours execution_device=
+            layers=model.config.num_layers,
+        )
+        warn_if_skipped(decision, config)
+        if own_cache and decision.compile:
+            raise ValueError(
+                "a generation with its own cache cannot use the compiled step (set disable_compile)"
+            )
+        return decision
 
     def _make_cache(self, width: int, own: bool):
         c, cfg, device = self.config, self.model.config, self.model.device
