@@ -114,3 +114,19 @@ def _isolated_cache(tmp_path_factory):
         os.environ.pop("TIERLM_CACHE_DIR", None)
     else:
         os.environ["TIERLM_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def attention_lengths(monkeypatch) -> list[int]:
+    """The key length (cache slots) each grouped-attention call reads, in call order, from here on."""
+    from tierlm.models import layers
+
+    seen: list[int] = []
+    attend = layers.grouped_attention
+
+    def spy(q, k, v, mask, *args, **kwargs):
+        seen.append(k.shape[2])
+        return attend(q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "grouped_attention", spy)
+    return seen

@@ -11,7 +11,6 @@ import tierlm
 from tierlm import steps
 from tierlm.cache import StaticCache
 from tierlm.generation.slots import RowsView, SlotCache
-from tierlm.models import layers
 
 
 def _settings(cache) -> dict:
@@ -24,19 +23,12 @@ def _settings(cache) -> dict:
     }
 
 
-def test_attention_reads_the_length_it_is_given(tiny_checkpoints, monkeypatch):
+def test_attention_reads_the_length_it_is_given(tiny_checkpoints, attention_lengths):
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     cfg = model.config
     cache = StaticCache(cfg, 1, 64, torch.float32, "cpu")
     model.decoder.ensure_rope(64, "cpu")
-    seen: list[int] = []
-    attend = layers.grouped_attention
-
-    def spy(q, k, v, mask, *args, **kwargs):
-        seen.append(k.shape[2])
-        return attend(q, k, v, mask, *args, **kwargs)
-
-    monkeypatch.setattr(layers, "grouped_attention", spy)
+    seen = attention_lengths
     ids = torch.tensor([[5, 9, 11, 17, 3]])
     before = _settings(cache)
     with torch.inference_mode():

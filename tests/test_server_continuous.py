@@ -274,21 +274,13 @@ def test_static_batching_answers_the_new_fields_as_continuous_does(http, tiny_di
         )
 
 
-def test_an_eager_continuous_step_reads_only_the_slots_in_use(tiny_dir, monkeypatch):
+def test_an_eager_continuous_step_reads_only_the_slots_in_use(tiny_dir, attention_lengths):
     """The batch's cache is sized for the longest request it may hold; an eager decode step attends over
     the slots its rows have written (up to the furthest row), as generate's steps do, not the whole cache."""
     from tierlm.generation.continuous import Sequence, SlotBatch
-    from tierlm.models import layers
 
     model = tierlm.load(tiny_dir, dtype="float32")
-    lengths: list[int] = []
-    attend = layers.grouped_attention
-
-    def spy(q, k, v, mask, *args, **kwargs):
-        lengths.append(k.shape[2])
-        return attend(q, k, v, mask, *args, **kwargs)
-
-    monkeypatch.setattr(layers, "grouped_attention", spy)
+    lengths = attention_lengths
     config = GenerationConfig(do_sample=False)
     batch = SlotBatch(model, 4, config)
     prompts = [model.tokenizer.encode(p) for p in ("Hello there", "A much longer prompt than the first one")]
