@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import time
 import warnings
@@ -81,14 +82,22 @@ VECTOR_PROBES = ("avx2", "avx512", "vnni", "avx512_bf16", "amx_tile", "amx_fp16"
 
 def cpu_features() -> dict:
     """The instruction set a package's kernels are compiled for: torch's dispatch level, the extensions
-    tierlm reads, and the vector extensions inductor picks its kernels' instruction set from."""
+    tierlm reads, and the vector extensions inductor picks its kernels' instruction set from. Off x86 (where
+    NEON or SVE, and SVE's length, decide) every capability torch reports is recorded."""
     f = cpu.detect()
+    vector = sorted(n for n in VECTOR_PROBES if getattr(torch.cpu, f"_is_{n}_supported")())
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        caps = dict(torch.cpu.get_capabilities()) if hasattr(torch.cpu, "get_capabilities") else {}
+        vector += sorted(f"{k}={v}" for k, v in caps.items() if "cache" not in k and not k.startswith("num_"))
     return {
         "capability": f.capability,
         "native_bf16": f.native_bf16,
         "amx": f.amx,
         "vnni": f.vnni,
-        "vector": sorted(n for n in VECTOR_PROBES if getattr(torch.cpu, f"_is_{n}_supported")()),
+        "vector": vector,
+        # AMX kernels need the kernel's permission, which inductor's ISA check asks for and a package never
+        # does: ask here (every process computes the key before it loads), and key on whether it was given.
+        "amx_permitted": bool(torch.cpu._init_amx()) if "amx_tile" in vector else False,
     }
 
 
@@ -387,7 +396,12 @@ class Packages:
 def load(package: Package):
     """The package's runner. torch._inductor.aoti_load_package wraps this same C++ loader, but importing it
     imports torch._inductor (~2 s) and its call re-reads the call spec each step; the step needs neither."""
-    return torch._C._aoti.AOTIModelPackageLoader(str(package.path), "model", False, 1, -1)
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(package.path), "model", False, 1, -1)
+    except (AttributeError, TypeError):  # another torch's loader: through the public wrapper
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(package.path)).loader
 
 
 def _try_load(package: Package):
