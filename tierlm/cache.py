@@ -24,6 +24,15 @@ def bucket_length(needed: int, limit: int) -> int:
     return min(size, max(limit, needed))
 
 
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tell dynamo these tensors keep their addresses across calls (a step writes them in place; CUDA graphs
+    are skipped for a graph that mutates inputs not known to be static). It is what
+    torch._dynamo.mark_static_address does, without importing torch._dynamo, which imports inductor:
+    ~1.5 s of a process that never compiles."""
+    for t in tensors:
+        t._dynamo_static_input_type = "unguarded"
+
+
 class StaticCache:
     """Preallocated K/V of shape [batch, kv_heads, max_len, head_dim] per layer; a sliding layer's is a
     ring buffer of min(window, max_len) slots (`RingLayerView`)."""
@@ -46,10 +55,7 @@ class StaticCache:
         # What the ring slots hold, shared by every sliding layer: the column (-1: nothing) and validity.
         self.ring_cols = torch.full((ring,), -1, dtype=torch.long, device=device)
         self.ring_valid = torch.zeros(batch, ring, dtype=torch.bool, device=device)
-        for t in (*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid):
-            # What torch._dynamo.mark_static_address(t) does (these tensors keep their addresses), without
-            # importing torch._dynamo, which imports inductor: ~1.5 s of a process that never compiles.
-            t._dynamo_static_input_type = "unguarded"
+        mark_static(*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid)
         self.views = [
             RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v)
             for i, (k, v) in enumerate(zip(self.keys, self.values))

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from tierlm.cache import mark_static
 from tierlm.compile import CompileConfig, streamed_config
 from tierlm.models.decoder import run_layer
 from tierlm.placement.offload import canonical_strides
@@ -98,12 +99,11 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
 
 
 def _static_addresses(cache) -> None:
-    """Tell dynamo that the cache's tensors keep their addresses: the step writes them in place, and
-    CUDA graphs (reduce-overhead) are skipped for a graph that mutates inputs not known to be static."""
+    """Every tensor the cache holds, marked static (cache.mark_static)."""
     for value in vars(cache).values():
-        for t in value if isinstance(value, list) else [value]:
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.mark_static_address(t)
+        mark_static(
+            *(t for t in (value if isinstance(value, list) else [value]) if isinstance(t, torch.Tensor))
+        )
 
 
 class CompiledStep:

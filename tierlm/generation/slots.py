@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.cache import StaticCache
+from tierlm.cache import StaticCache, mark_static
 
 
 class RowsView:
@@ -63,7 +63,7 @@ class SlotCache:
 
     def __init__(self, cache: StaticCache, rows: int) -> None:
         row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
-        row_slots._dynamo_static_input_type = "unguarded"  # torch._dynamo.mark_static_address, as in cache.py
+        mark_static(row_slots)
         keys, values = [k[:rows] for k in cache.keys], [v[:rows] for v in cache.values]
         self._hold(keys, values, cache.valid[:rows], row_slots)
         self.cache = cache
