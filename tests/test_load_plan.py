@@ -48,7 +48,7 @@ def test_the_plan_reads_no_weights(tiny_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(SafetensorsCheckpoint, "load_mapped", refuse)
     got = plan(garbage, **kwargs)
     assert dataclasses.replace(got, path=src) == expected
-    assert got.steps == ("open", "build", "quantize", "stream")
+    assert got.steps == ("open", "build", "quantize", "stream", "fuse")  # the resident layer's int8 groups
     assert got.streamed_bytes["disk"] > 0 and got.streamed_bytes["cpu"] == 0
 
 
@@ -85,7 +85,8 @@ def _fused(model) -> set[str]:
         dict(dtype="float32"),  # fp32 on the CPU: wide weights transposed, so nothing fuses
         dict(dtype="bfloat16"),  # resident: every layer fuses
         dict(dtype="bfloat16", device_map=DISK_MAP),  # the streamed layer stays apart
-        dict(dtype="bfloat16", quantize="int4", group_size=32),  # quantized projections: nothing to fuse
+        dict(dtype="bfloat16", quantize="int8"),  # int8 projections fuse like float ones
+        dict(dtype="bfloat16", quantize="int4", group_size=32),  # int4: gate/up fuse, q/k/v (32-row k, v) not
         dict(dtype="bfloat16", quantize="int4", group_size=128),  # in_features 64: int4 leaves them float
     ],
 )
@@ -115,8 +116,10 @@ def test_the_fusion_table_follows_the_placement_and_quantization(tiny_checkpoint
         "model.layers.0.self_attn",
         "model.layers.0.mlp",
     ]
-    assert plan(path, dtype="bfloat16", quantize="int8").fusion == ()
-    assert plan(path, dtype="bfloat16", quantize="int4", group_size=32).fusion == ()
+    assert plan(path, dtype="bfloat16", quantize="int8").fusion == resident  # one int8 kernel for each group
+    # int4 on the CPU fuses parts of 64-row multiples only: gate/up (128 rows each), not k/v (32 rows)
+    int4 = plan(path, dtype="bfloat16", quantize="int4", group_size=32).fusion
+    assert [m for m, _ in int4] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     # in_features 64 is no multiple of 128: int4 leaves every projection in float, so they fuse as before
     assert plan(path, dtype="bfloat16", quantize="int4", group_size=128).fusion == resident
     assert plan(path, dtype="float32").fusion == ()  # transposed layout

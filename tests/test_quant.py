@@ -176,6 +176,33 @@ def test_quantized_modules_are_the_ones_that_run(tiny, mode):
     assert ran == set(names)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_quantized_projections_give_each_projections_output(tiny, family, mode):
+    """The loader fuses q/k/v and gate/up after quantizing (one kernel call per group, parts left with views
+    of their rows). Every output row must be its projection's own: the same kernel reduces each row alone,
+    so the fused product equals the parts' within one bf16 rounding (a wrong row or scale would be off by
+    the weights' whole magnitude)."""
+    model = tierlm.load(tiny[family], dtype="bfloat16", quantize=mode, group_size=32)
+    mlp, attn = model.decoder.model.layers[0].mlp, model.decoder.model.layers[0].self_attn
+    assert mlp.fused is not None and type(mlp.fused.packed).__name__ == f"Int{mode[3]}Linear"
+    assert (attn.fused is not None) == (mode == "int8")  # int4: k/v have 32 rows, no multiple of 64
+    x = torch.randn(3, 5, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    groups = [(mlp, ("gate_proj", "up_proj"))]
+    if attn.fused is not None:
+        groups.append((attn, ("q_proj", "k_proj", "v_proj")))
+    for owner, parts in groups:
+        fused = owner.fused(x, False)
+        separate = torch.cat([getattr(owner, p)(x) for p in parts], dim=-1)
+        torch.testing.assert_close(fused, separate, rtol=2**-8, atol=0)
+        assert getattr(owner, parts[1]).__dict__["_buffers"][f"weight_{mode}"]._base is not None  # a view
+    logits = model(torch.tensor([[5, 6, 7, 8]])).float()
+    model.decoder.unfuse_projections()
+    torch.testing.assert_close(
+        logits, model(torch.tensor([[5, 6, 7, 8]])).float(), rtol=0, atol=2**-5 * logits.abs().max().item()
+    )
+
+
 def test_tied_embedding_stays_exact(tiny):
     decoder = tierlm.load(tiny["llama_tied"], dtype="bfloat16").decoder
     embedding = decoder.model.embed_tokens.weight

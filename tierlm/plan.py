@@ -147,7 +147,8 @@ def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch
 def _fusion(
     probe: Decoder, placement: Placement, quant, dtype, transposed
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """Per resident layer, each FUSED_PROJECTIONS group whose projections all stay float. None at all with
+    """Per resident layer, each FUSED_PROJECTIONS group whose projections all get the same kernel: all float,
+    all int8, or all int4 on the CPU with rows in multiples of 64 (tierlm.quant's `fuse`). None at all with
     a transposed layout (fusing would change its sums between placements); offloaded units never fuse."""
     if transposed:
         return ()
@@ -159,28 +160,33 @@ def _fusion(
             continue
         for parent, parts in FUSED_PROJECTIONS.items():
             module = f"{layer}.{parent}"
-            if all(_stays_float(probe, f"{module}.{p}", quant, dtype, placement.device) for p in parts):
+            names = [f"{module}.{p}" for p in parts]
+            kinds = {_kernel(probe, n, quant, dtype, placement.device) for n in names}
+            rows = [probe.get_submodule(n).weight.shape[0] for n in names]
+            if len(kinds) == 1 and (
+                kinds != {"int4"} or (placement.device.type == "cpu" and not any(r % 64 for r in rows))
+            ):
                 table.append((module, parts))
     return tuple(table)
 
 
-def _stays_float(probe: Decoder, name: str, quant: Quantization | None, dtype, device: torch.device) -> bool:
-    """Whether quantization leaves this linear in float: as tierlm.quant.quantize_decoder does for an int4
-    shape or dtype its kernel cannot take."""
+def _kernel(probe: Decoder, name: str, quant: Quantization | None, dtype, device: torch.device) -> str:
+    """ "float", "int8" or "int4": what quantization makes of this linear, as tierlm.quant.quantize_decoder
+    does (an int4 shape or dtype its kernel cannot take stays in float)."""
     from tierlm.quant import check_int4_shape, mode_of, quantizes
 
     if quant is None or not quantizes(name):
-        return True
+        return "float"
     if mode_of(name, quant.mode) == "int8":
-        return False
+        return "int8"
     if device.type == "cuda" and dtype != torch.bfloat16:
-        return True
+        return "float"
     out_features, in_features = probe.get_submodule(name).weight.shape
     try:
         check_int4_shape(out_features, in_features, quant.group, device)
     except ValueError:
-        return True
-    return False
+        return "float"
+    return "int4"
 
 
 def describe_plan(path=None, **kwargs) -> str:

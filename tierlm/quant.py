@@ -123,6 +123,27 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    @classmethod
+    def fuse(cls, parts) -> Int8Linear | None:
+        """One Int8Linear for several of the same input (q/k/v, gate/up): codes and scales concatenated by
+        rows, each part left with views of its rows. Per-row scales make every output the same as its part's
+        (the kernel reduces each row alone: tests/test_quant.py checks they are equal)."""
+        if len({(p.in_features, p.scales.dtype, p.bias is None) for p in parts}) != 1:
+            return None
+        fused = cls(
+            torch.cat([p.weight_int8 for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            None if parts[0].bias is None else torch.cat([p.bias for p in parts]),
+        )
+        row = 0
+        for p in parts:
+            rows = slice(row, row + p.out_features)
+            p.weight_int8, p.scales = fused.weight_int8[rows], fused.scales[rows]
+            if p.bias is not None:
+                p.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+            row += p.out_features
+        return fused
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K] the kernel multiplies by."""
         return self.weight_int8.float() * self.scales.float()[:, None]
@@ -170,6 +191,35 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def fuse(cls, parts) -> Int4Linear | None:
+        """One Int4Linear for several of the same input, or None. Only on the CPU, whose packed layout is
+        row-major [N, K/2] (CUDA's tinygemm tiles rows and columns together), and only for parts of a
+        multiple of 64 rows, so that a layout packed in blocks of rows would concatenate too. Each part keeps a
+        view of its packed rows; the scales and zeros ([K/g, N, 2], whose row slices are not contiguous) are
+        concatenated, and each part keeps its own (1/64 of the packed bytes at group 32)."""
+        first = parts[0]
+        same = {(p.in_features, p.group_size, p.scales_and_zeros.dtype, p.bias is None) for p in parts}
+        if (
+            len(same) != 1
+            or first.weight_int4.device.type != "cpu"
+            or any(p.out_features % 64 for p in parts)
+        ):
+            return None
+        weight = torch.cat([p.weight_int4 for p in parts])
+        scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        out_features = sum(p.out_features for p in parts)
+        fused = cls(weight, scales_and_zeros, first.in_features, out_features, first.group_size, bias)
+        row = 0
+        for p in parts:
+            rows = slice(row, row + p.out_features)
+            p.weight_int4 = fused.weight_int4[rows]
+            if p.bias is not None:
+                p.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+            row += p.out_features
+        return fused
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K] the kernel multiplies by (read back through the kernel: the packed
@@ -245,7 +295,8 @@ def quantize_decoder(
             parent = decoder.get_submodule(parent_name)
             setattr(parent, child, new)
             if getattr(parent, "fused", None) is not None:
-                parent.fused = None  # the fused float copy of q/k/v or gate/up would bypass `new`
+                parent.fused = None  # the fused float copy of q/k/v or gate/up would bypass `new` (the
+                # loader fuses after quantizing: tierlm.plan)
             quantized.append(name)
     if skipped:
         detail = "; ".join(f"{len(names)} layers like {names[0]}: {why}" for why, names in skipped.items())

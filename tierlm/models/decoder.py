@@ -7,7 +7,7 @@ from torch import nn
 
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
-from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, fuse_linears, rope_tables
+from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, fuse_projections, rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
@@ -56,7 +56,7 @@ class Decoder(nn.Module):
         those projections into one weight the module multiplies by; the projections become views of it."""
         for module, parts in table:
             owner = self.get_submodule(module)
-            owner.fused = fuse_linears(*(getattr(owner, p) for p in parts))
+            owner.fused = fuse_projections(*(getattr(owner, p) for p in parts))
 
     def unfuse_projections(self) -> None:
         """Run every layer on its separate projections (views of the fused weights), as offloaded layers do."""

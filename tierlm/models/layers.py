@@ -69,22 +69,23 @@ def rope_tables(
     theta: float | None = None,
     scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [length, head_dim] in fp32 for positions 0..length-1 (theta and scaling: the
-    config's unless given, e.g. Gemma's local base for sliding layers)."""
+    """cos and signed sin tables [length, head_dim] in fp32 for positions 0..length-1 (theta and scaling:
+    the config's unless given, e.g. Gemma's local base for sliding layers). The sin table's first half is
+    negated, for `apply_rope`."""
     theta = cfg.rope_theta if theta is None else theta
     scaling = cfg.rope_scaling if scaling is None else scaling
     inv_freq = rope_inv_freq(cfg.head_dim, theta, scaling).to(device)
     t = torch.arange(length, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, h, s, d] by cos/sin [b, 1, s, d] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, h, s, d] by cos/signed sin [b, 1, s, d] (rotate-half convention, as HF's
+    x * cos + cat(-x2, x1) * sin). Rolling x by half a head is cat(x2, x1), and the signed table carries the
+    minus sign, so each element is the same product and sum as HF's, bit for bit, in 4 ops instead of 7
+    (a decode step runs this for q and k in every layer)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
 WIDE_ROWS = 4  # an eager decode step of at least this many rows is a matrix-matrix product too
@@ -130,14 +131,42 @@ class Linear(nn.Linear):
 FUSED_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
-def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight (and bias) for several nn.Linear with the same input; each keeps a view of its rows.
+class FusedProjections:
+    """Several projections of one input (q/k/v, gate/up) as one product: a float weight (and bias), or
+    `packed`, a quantized linear (tierlm.quant) holding the projections' packed rows one after another.
 
-    Fewer, larger matmuls cut per-op overhead on the decode path; the HF parameter names stay valid.
-    Returns None when any of them is not a plain float Linear (e.g. quantized).
+    Each projection keeps a view of its rows under its Hugging Face name. Deliberately not an nn.Module: the
+    HF names keep owning the parameters (device maps, state dicts and exported steps see those only).
     """
-    if not all(type(lin) in (nn.Linear, Linear) for lin in linears):
+
+    def __init__(self, weight=None, bias=None, packed: nn.Module | None = None) -> None:
+        self.weight, self.bias, self.packed = weight, bias, packed
+
+    def __call__(self, x: torch.Tensor, widen: bool) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
+        return linear(x, self.weight, self.bias, widen)
+
+
+def fuse_projections(*projections: nn.Module) -> FusedProjections | None:
+    """One product for several projections with the same input, or None where they cannot share one.
+
+    Fewer, larger matmuls cut per-op overhead on the decode path. Float linears concatenate their weights
+    (`fuse_linears`); quantized linears of one kind concatenate their packed rows through their own
+    `fuse` classmethod (tierlm.quant), which returns None where its kernel's layout does not allow it.
+    """
+    kind = type(projections[0])
+    if any(type(p) is not kind for p in projections):
         return None
+    if kind in (nn.Linear, Linear):
+        return FusedProjections(*fuse_linears(*projections))
+    fuse = getattr(kind, "fuse", None)
+    packed = None if fuse is None else fuse(projections)
+    return None if packed is None else FusedProjections(packed=packed)
+
+
+def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several float nn.Linear with the same input; each keeps a view of its rows."""
     weight = torch.cat([lin.weight for lin in linears])
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
@@ -166,12 +195,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fused: FusedProjections | None = None
         self.widen = False  # the fused product's prefill in fp32, like Linear.widen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            gate, up = linear(x, self.fused[0], None, self.widen).chunk(2, dim=-1)
+            gate, up = self.fused(x, self.widen).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -183,13 +212,19 @@ def grouped_attention(
     mask: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    wide: bool = False,
 ) -> torch.Tensor:
     """Attention for grouped-query heads without expanding K/V.
 
     q [b, H, s, d]; k, v [b, KV, L, d]; mask [b, 1, s, L] bool (True = attend). Each KV head serves its
     H/KV query heads as one matmul, so the cache is read once per group. scale: on the scores (default
-    d ** -0.5); softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma).
+    d ** -0.5); softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma). wide: in
+    fp32, returning q's dtype (bf16 on a CPU without native bf16, whose bf16 matmuls of these shapes are 2-3x
+    slower than widening q, K and V and multiplying in fp32: `Attention.widen`).
     """
+    dtype = q.dtype
+    if wide:
+        q, k, v = q.float(), k.float(), v.float()
     b, h, s, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, (h // kv) * s, d)
@@ -197,9 +232,9 @@ def grouped_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv, h // kv, s, -1).float()
-    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    scores = torch.where(mask.unsqueeze(1), scores, float("-inf"))  # one op, not ~mask then masked_fill
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, (h // kv) * s, -1)
-    return torch.matmul(probs, v).view(b, h, s, d)
+    return torch.matmul(probs, v).view(b, h, s, d).to(dtype)
 
 
 class Attention(nn.Module):
@@ -221,13 +256,13 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.query_pre_attn_scalar is not None else None
         self.softcap = cfg.attn_logit_softcapping
         self.sliding = cfg.is_sliding(layer_idx)
-        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.widen = False
+        self.fused: FusedProjections | None = None
+        self.widen = False  # prefill products and the attention matmuls in fp32 (bf16 without native bf16)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
             kv = self.num_kv_heads * self.head_dim
-            qkv = linear(x, *self.fused, self.widen)
+            qkv = self.fused(x, self.widen)
             return qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
@@ -254,7 +289,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots, length)
         if (s == 1 and self.grouped_decode) or self.softcap is not None:  # SDPA has no softcap
-            out = grouped_attention(q, k, v, mask, self.scale, self.softcap)  # decode: never expand K/V
+            wide = self.widen and not torch.compiler.is_compiling()  # inductor has its own bf16 kernels
+            out = grouped_attention(q, k, v, mask, self.scale, self.softcap, wide)  # decode: never expand K/V
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
