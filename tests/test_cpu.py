@@ -131,3 +131,31 @@ def test_a_decode_step_of_many_rows_widens_small_weights_only():
     assert [dtype for dtype, _ in seen.calls] == [torch.float32] + [torch.bfloat16] * 3
     assert widened.dtype == torch.bfloat16
     torch.testing.assert_close(widened.float(), plain.float(), atol=2**-5 * plain.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize(
+    "scope, mode, widened",
+    [("layer", None, True), ("model", None, False), ("model", "default", True)],
+    ids=["layer", "model-max-autotune", "model-default"],
+)
+def test_compiled_attention_widens_where_the_matmuls_stay_atens(
+    monkeypatch, tiny_checkpoints, scope, mode, widened
+):
+    """Without native bf16, a compiled decode step attends in fp32 when its mode leaves the matmuls to aten
+    (slow in bf16 there), and in bf16 under max-autotune, whose C++ GEMM templates are faster on bf16 itself:
+    the dtypes of the attention matmuls in the graph the compiler receives."""
+    from tierlm import CompileConfig
+
+    monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
+    dtypes = set()
+
+    def recorder(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.matmul:
+                dtypes.update(arg.meta["example_value"].dtype for arg in node.args)
+        return gm.forward
+
+    cc = CompileConfig(backend=recorder, scope=scope, mode=mode)
+    model.generate([[5, 17, 99]], max_new_tokens=3, min_new_tokens=3, compile_config=cc)
+    assert dtypes == {torch.float32 if widened else torch.bfloat16}

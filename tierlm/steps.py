@@ -71,6 +71,7 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     device, decoder, streamer = model.device, model.decoder, model.streamer
     ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=device)
     kwargs = cc.compile_kwargs(str(device))
+    decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(str(device)))
     layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
     if layer_fn is not None and streamer is not None and streamer.streams_layers():
         decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all

@@ -258,6 +258,9 @@ class Attention(nn.Module):
         self.sliding = cfg.is_sliding(layer_idx)
         self.fused: FusedProjections | None = None
         self.widen = False  # prefill products and the attention matmuls in fp32 (bf16 without native bf16)
+        # ... and the attention matmuls of a compiled step whose matmuls are aten's (tierlm.steps.build sets
+        # it: a max-autotune step's C++ GEMM templates are faster on bf16 itself)
+        self.widen_compiled = False
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
@@ -289,7 +292,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, slots, length)
         if (s == 1 and self.grouped_decode) or self.softcap is not None:  # SDPA has no softcap
-            wide = self.widen and not torch.compiler.is_compiling()  # inductor has its own bf16 kernels
+            wide = self.widen_compiled if torch.compiler.is_compiling() else self.widen
             out = grouped_attention(q, k, v, mask, self.scale, self.softcap, wide)  # decode: never expand K/V
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
