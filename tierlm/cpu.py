@@ -32,8 +32,12 @@ class CpuFeatures:
 
     def kernels(self) -> str:
         """What this CPU selects, in words."""
-        prefill = "fp32 (bf16 weights widened per product)" if self.widens_bf16_prefill else "bf16"
-        return f"GGUF default dtype bfloat16; bf16 decode in bf16, prefill in {prefill}"
+        if self.widens_bf16_prefill:
+            return (
+                "GGUF default dtype bfloat16; bf16 decode products in bf16, its attention in fp32; prefill in "
+                "fp32 (bf16 weights widened per product)"
+            )
+        return "GGUF default dtype bfloat16; bf16 decode and prefill in bf16"
 
     def describe(self) -> str:
         bf16 = "native bf16" if self.native_bf16 else "no native bf16"
