@@ -274,6 +274,41 @@ def test_static_batching_answers_the_new_fields_as_continuous_does(http, tiny_di
         )
 
 
+def test_sequences_that_join_together_prefill_together_with_their_solo_tokens(tiny_dir):
+    """Sequences waiting together prefill in one forward (left-padded into a scratch cache, each row's K/V
+    then moved to its own slots 0..n-1): one prefill unit for three prompts of different lengths, and every
+    sample's greedy tokens are exactly its solo run's (fp32), the n=2 request's two samples included."""
+    from agreement import greedy
+
+    from tierlm.generation.continuous import Sequence, SlotBatch
+
+    model = tierlm.load(tiny_dir, dtype="float32")
+    config = GenerationConfig(do_sample=False)
+    batch = SlotBatch(model, 4, config)
+    texts = ("Hello there", "A much longer prompt than the first one", "Hi")
+    prompts = [model.tokenizer.encode(p) for p in texts]
+    n = 8
+    for i, prompt in enumerate(prompts):
+        batch.join(
+            Sequence(i, prompt, config.replace(max_new_tokens=n, min_new_tokens=n, n=2 if i == 2 else 1))
+        )
+    tokens: dict[tuple, list[int]] = {}
+    units = 0
+    while batch.busy:
+        for u in batch.advance():
+            if u.token is not None:
+                tokens.setdefault((u.key, u.choice), []).append(u.token)
+        units += 1
+        if units == 1:
+            assert batch.stats["prefill_chunks"] == 1 and batch.stats["prefills_together"] == 3, batch.stats
+            assert not batch.waiting
+    assert set(tokens) == {(0, 0), (1, 0), (2, 0), (2, 1)}
+    for (key, _choice), got in tokens.items():
+        assert (
+            got == greedy(model, torch.tensor([prompts[key]]), max_new_tokens=n, min_new_tokens=n).tokens[0]
+        )
+
+
 def test_an_eager_continuous_step_reads_only_the_slots_in_use(tiny_dir, attention_lengths):
     """The batch's cache is sized for the longest request it may hold; an eager decode step attends over
     the slots its rows have written (up to the furthest row), as generate's steps do, not the whole cache."""

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierlm.cache import bucket_length
+from tierlm.cache import StaticCache, bucket_length
 from tierlm.compile import CompileConfig, CompileDecision, decide, warn_if_skipped
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
-from tierlm.generation.loop import Sampler, TokenLogprob
+from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
 from tierlm.generation.run import PromptLogprobs, TextTracker
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
 
@@ -207,7 +207,8 @@ class SlotBatch:
             decoding = bool(self._decoding_rows())
             if self.waiting and not (decoding and self._decode_next):
                 self._decode_next = True
-                return self._prefill_chunk()
+                together = self._whole_prompts()
+                return self._prefill_together(together) if len(together) > 1 else self._prefill_chunk()
             self._decode_next = False
             return self._decode() if decoding else []
 
@@ -239,8 +240,58 @@ class SlotBatch:
             self.waiting.append(self.waiting.pop(0))
             return []
         self.waiting.pop(0)
+        return self._started(seq, logits[:, -1])
+
+    def _whole_prompts(self) -> list[Sequence]:
+        """The waiting sequences whose prefill can run together as one batch: not started, one chunk
+        long, no prompt log probabilities (which need every position's logits)."""
+        return [
+            s
+            for s in self.waiting
+            if s.prefilled == 0
+            and not s.cancelled
+            and s.prompt_lp is None
+            and len(s.prompt) <= (s.config.prefill_chunk or len(s.prompt))
+        ]
+
+    def _prefill_together(self, seqs: list[Sequence]) -> list[Update]:
+        """Prefill several joining sequences in one forward: left-padded into a scratch cache (each row at
+        its own rotary positions 0..n-1, padding masked), then each row's K/V moved to its own row's slots
+        0..n-1, where a solo prefill would have written them. One pass over the weights for all of them,
+        where one prefill each would read every weight once per sequence (and, widened, convert it)."""
+        batch = left_pad([s.prompt for s in seqs], 0, self.device)
+        width = batch.ids.shape[1]
+        cfg, dtype = self.model.config, self.cache.keys[0].dtype
+        scratch = StaticCache(cfg, len(seqs), width, dtype, self.device)
+        positions = (batch.mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self.model.decoder(
+            batch.ids,
+            attention_mask=batch.mask,
+            positions=positions,
+            cache=scratch,
+            slots=torch.arange(width, device=self.device),
+            last_only=True,
+        )
+        updates = []
+        for i, seq in enumerate(seqs):
+            n, row = len(seq.prompt), seq.rows[0]
+            for dst, src in zip((*self.cache.keys, *self.cache.values), (*scratch.keys, *scratch.values)):
+                dst[row, :, :n] = src[i, :, width - n :]
+            self.cache.valid[row, :n] = True
+            seq.prefilled = n
+            self.waiting.remove(seq)
+            updates += self._started(seq, logits[i : i + 1, -1])
+        self.stats["prefill_chunks"] += 1
+        self.stats["prefills_together"] += len(seqs)
+        return updates
+
+    def _started(self, seq: Sequence, last: torch.Tensor) -> list[Update]:
+        """A sequence whose prefill is done: its n rows get the prompt's K/V and their first tokens from
+        `last`, the logits [1, vocab] after its prompt."""
+        width = len(seq.prompt)
+        row = seq.rows[0]
         copy_rows(self.cache, row, seq.rows[1:], width)  # n samples share one prefill
-        last = logits[:, -1].float().expand(len(seq.rows), -1)
+        last = last.float().expand(len(seq.rows), -1)
         tokens = self.sampler(last, seq.rows)
         logprobs = self.sampler.logprobs(last, tokens, seq.rows)
         prompt_lp = seq.prompt_lp.rows([seq.config.prompt_logprobs])[0] if seq.prompt_lp else None

@@ -119,7 +119,13 @@ class ContinuousScheduler(Scheduler):
 
     def _record_stats(self, batch: SlotBatch) -> None:
         with self._cond:
-            for key in ("joined_running_batch", "left_running_batch", "decode_steps", "prefill_chunks"):
+            for key in (
+                "joined_running_batch",
+                "left_running_batch",
+                "decode_steps",
+                "prefill_chunks",
+                "prefills_together",
+            ):
                 self._stats[key] = batch.stats[key]
             if batch.steps:  # rows -> "loaded package <key> (...)", "built package ...", or JIT
                 self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
