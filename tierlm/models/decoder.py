@@ -74,7 +74,7 @@ class Decoder(nn.Module):
     def widen_compiled_attention(self, on: bool) -> None:
         """Whether compiled steps attend in fp32 where eager ones do (`widen_prefill`): for a compile mode
         whose matmuls stay aten's, which are slow in bf16 without native bf16 (a layer-scope decode of the
-        default model: 33 tok/s widened against 30 on a Zen 3). A max-autotune step's own C++ GEMM templates
+        default model: 31.1 tok/s widened against 26.8, interleaved in one process on a Zen 3). A max-autotune step's own C++ GEMM templates
         multiply bf16 faster than widening does (76-86 tok/s against 69), so it leaves this off."""
         for module in self.modules():
             if hasattr(module, "widen_compiled"):

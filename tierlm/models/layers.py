@@ -234,7 +234,8 @@ def grouped_attention(
     scores = scores.view(b, kv, h // kv, s, -1).float()
     scores = torch.where(mask.unsqueeze(1), scores, float("-inf"))  # one op, not ~mask then masked_fill
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, (h // kv) * s, -1)
-    return torch.matmul(probs, v).view(b, h, s, d).to(dtype)
+    out = torch.matmul(probs, v).view(b, h, s, d)
+    return out.to(dtype) if wide else out  # no dtype round trip on the narrow path (a decode hot path)
 
 
 class Attention(nn.Module):
