@@ -7,11 +7,11 @@ llama.cpp (batch 1). Same prompt tokens, greedy, forced length, runs interleaved
 the median time of a one-token call (llama.cpp: time to its first token). Cold compile s: with the
 inductor cache in a fresh temporary directory, a variant's warm-up calls minus its median timed ones.
 Warm start s: afterwards, a new process per variant on the warm inductor cache, from its first line
-(before `import torch`) to the first decoded token, batch 1. --packages adds, per scope "model" variant,
-the same step built ahead of time (tierlm.aot) into a fresh package store: its cold build s, its decode
-tok/s beside the JIT-compiled step's, and warm starts that load the package, with an eager warm start of
-the same weights for reference (benchmarks/warm_start.py measures each warm start). Engines are in
-benchmarks/engines.py, the variants and prompts in benchmarks/variants.py.
+(before `import torch`) to the first decoded token, batch 1, and one per weights run eagerly for reference;
+each reports its load time and peak RSS. --packages adds, per scope "model" variant, the same step built
+ahead of time (tierlm.aot) into a fresh package store: its cold build s, its decode tok/s beside the
+JIT-compiled step's, and warm starts that load the package (benchmarks/warm_start.py measures each).
+Engines are in benchmarks/engines.py, the variants and prompts in benchmarks/variants.py.
 Run: python benchmarks/decode.py [--help]
 """
 

@@ -18,6 +18,7 @@ START_WALL = time.time()
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -42,17 +43,16 @@ class WarmStart:
     generate_s: float = float("nan")  # generate(): prefill, then one compiled decode step
     cache_hits: int = 0  # inductor FX graph cache hits / misses in the child
     cache_misses: int = 0
+    peak_rss_mb: float = float("nan")  # the child's peak resident memory, through load and its first token
     error: str | None = None
 
 
 def measure(variants: list[Variant], args) -> dict[str, WarmStart]:
-    """A warm start per variant, batch 1; with --packages also one per weights run eagerly (what a compiled
-    warm start is measured against)."""
+    """A warm start per variant, batch 1, and one per weights run eagerly (what a compiled warm start is
+    measured against; its load time and peak memory are the eager model's)."""
     status("warm starts, batch 1:")
-    chosen = list(variants)
-    if args.packages:
-        chosen += [Variant(w, "model", "eager") for w in dict.fromkeys(v.weights for v in variants)]
-    return {v.name: warm_start(v, args) for v in chosen}
+    eager = [Variant(v.weights, "model", "eager") for v in variants]
+    return {v.name: warm_start(v, args) for v in dict.fromkeys([*variants, *eager])}
 
 
 def warm_start(variant: Variant, args) -> WarmStart:
@@ -104,16 +104,17 @@ def child(args) -> None:
         "generate_s": end - loaded,
         "cache_hits": inductor["fxgraph_cache_hit"],
         "cache_misses": inductor["fxgraph_cache_miss"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
     }
     print(json.dumps(out), flush=True)
 
 
 def print_warm_starts(warm: dict[str, WarmStart]) -> None:
     headers = ["engine", "warm start s", "python start s", "import s", "load s", "first generate s"]
-    headers += ["fx cache hits", "fx cache misses"]
+    headers += ["fx cache hits", "fx cache misses", "peak RSS MB"]
     rows = [
         [w.engine, fmt(w.total_s, 2), fmt(w.startup_s, 2), fmt(w.import_s, 2), fmt(w.load_s, 2)]
-        + [fmt(w.generate_s, 2), str(w.cache_hits), str(w.cache_misses)]
+        + [fmt(w.generate_s, 2), str(w.cache_hits), str(w.cache_misses), fmt(w.peak_rss_mb, 0)]
         for w in warm.values()
     ]
     print_table(
@@ -121,7 +122,8 @@ def print_warm_starts(warm: dict[str, WarmStart]) -> None:
         rows,
         "Warm start, batch 1, bf16: a new process on the warm inductor cache, from its first line (before "
         "`import torch`) to the first decoded token\n(python start: interpreter start-up before that line, "
-        "not included; first generate: prefill plus one compiled decode step)",
+        "not included; first generate: prefill plus one compiled decode step; peak RSS: the new process's "
+        "peak resident memory through load and that step, its static cache allocated at full length)",
     )
     for w in warm.values():
         if w.error:
