@@ -141,6 +141,21 @@ def test_plan_counts_quantized_weights_at_their_packed_size():
     assert "int8 weights" in proc.stdout and "nothing (all weights resident)" in proc.stdout
 
 
+def test_plan_says_whether_the_gguf_stays_packed_and_quantize_none_widens_it():
+    """With no --quantize the default GGUF's Q4_1 blocks stay packed where this CPU's detection says so
+    (tierlm.cpu), and the plan says it is that default; --quantize none asks for float weights."""
+    default = tierlm("plan")
+    assert default.returncode == 0, default.stderr
+    first = default.stdout.splitlines()[0]
+    if cpu.detect().keeps_q4_packed:
+        assert "int4 weights (group 32): the GGUF's Q4 blocks kept packed, this CPU's default" in first
+    else:
+        assert "weights" not in first
+    float_weights = tierlm("plan", "--quantize", "none")
+    assert float_weights.returncode == 0, float_weights.stderr
+    assert float_weights.stdout.splitlines()[0].endswith("30 layers, bfloat16)")
+
+
 def test_max_memory_alone_implies_device_map_auto():
     """Budgets only mean something to an inferred map: --max-memory alone is never silently ignored."""
     implied = tierlm("plan", "--dtype", "float32", "--max-memory", "cpu=350MB")

@@ -52,9 +52,9 @@ def test_detect_asks_torch_and_names_the_cpu():
 )
 def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened):
     """The auto dtype of a GGUF is bf16 on both kinds of CPU; bf16 prefill is widened to fp32 only
-    where bf16 is not native."""
+    where bf16 is not native. (Float weights: `quantize=None`; the default packing is the next test's.)"""
     monkeypatch.setattr(cpu, "detect", lambda: features)
-    model = tierlm.load()  # the default model, dtype "auto"
+    model = tierlm.load(quantize=None)  # the default model, dtype "auto"
     assert model.dtype == torch.bfloat16
     assert widen_flags(model) == {widened}
     with LinearDtypes() as seen:
@@ -63,6 +63,41 @@ def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, f
     decode = {dtype for dtype, rows in seen.calls if rows == 1}
     assert prefill == {torch.float32 if widened else torch.bfloat16}
     assert decode == {torch.bfloat16}
+
+
+ARM = CpuFeatures("simulated Arm Neoverse", "SVE256", native_bf16=True)
+
+
+@pytest.mark.parametrize(
+    "features, packed", [(AVX2, True), (NATIVE_BF16, True), (ARM, False)], ids=["avx2", "native-bf16", "arm"]
+)
+def test_detected_cpu_drives_whether_gguf_q4_blocks_stay_packed(
+    monkeypatch, default_model_path, features, packed
+):
+    """quantize="auto" (the default): the default GGUF's Q4_1 projections stay packed as int4 in the file's own
+    groups of 32 on the CPUs where that was measured faster (AVX2, AVX512), not elsewhere; an explicit float
+    dtype, quantize=None, or a forward off the CPU keeps float weights; an explicit mode is kept as asked."""
+    from tierlm.plan import Quantization, _runs_on_cpu, plan
+
+    monkeypatch.setattr(cpu, "detect", lambda: features)
+    assert features.keeps_q4_packed == packed
+    assert ("stay packed" in features.kernels()) == packed
+    assert plan(default_model_path).quantization == (Quantization("int4", 32) if packed else None)
+    assert plan(default_model_path, dtype="bfloat16").quantization is None
+    assert plan(default_model_path, quantize=None).quantization is None
+    assert plan(default_model_path, quantize="int8").quantization == Quantization("int8", 32)
+    cpu_map = {"": "cpu", "model.layers.3": "disk"}
+    assert _runs_on_cpu(torch.device("cpu"), cpu_map, None, None)
+    assert _runs_on_cpu(torch.device("cpu"), {"": 0}, None, "cpu")
+    assert not _runs_on_cpu(torch.device("cpu"), {"": 0, "lm_head": "cpu"}, None, None)
+    assert not _runs_on_cpu(torch.device("cpu"), "auto", {0: "1GiB", "cpu": "2GiB"}, None)
+    assert not _runs_on_cpu(torch.device("cuda"), None, None, None)
+    if packed:  # what load() then runs: int4 projections, an int8 head, nothing float but the embedding
+        from tierlm.quant import Int4Linear, Int8Linear
+
+        model = tierlm.load()
+        kinds = {type(m) for n, m in model.decoder.named_modules() if n.endswith("proj")}
+        assert kinds == {Int4Linear} and isinstance(model.decoder.lm_head, Int8Linear)
 
 
 def test_fp32_models_never_widen(monkeypatch, tiny_checkpoints):

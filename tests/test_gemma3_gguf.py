@@ -153,3 +153,15 @@ def test_cli_generates_from_the_gguf(gemma, gemma_gguf):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == gemma.generate(prompt, max_new_tokens=8).token_ids[0]
+
+
+def test_k_quant_tensors_are_not_kept_packed_by_default(gemma_gguf, monkeypatch):
+    """quantize="auto" keeps only Q4_0/Q4_1 blocks packed (int4 groups of 32 hold them exactly); this file's
+    K-quant and Q5_0/Q8_0 projections widen to bf16, even on a CPU that packs Q4 blocks."""
+    from tierlm import cpu
+    from tierlm.plan import plan
+    from tierlm.weights import gguf_cache
+
+    monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated AMD Zen 3", "AVX2", False))
+    assert not gguf_cache.has_q4_projections(gemma_gguf)
+    assert plan(gemma_gguf).quantization is None

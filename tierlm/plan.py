@@ -75,7 +75,7 @@ def plan(
     max_memory=None,
     offload_folder: str | Path | None = None,
     execution_device: str | None = None,
-    quantize: str | None = None,
+    quantize: str | None = "auto",
     group_size: int | None = None,
     cache: str = "static",
     compile: bool = False,
@@ -87,9 +87,7 @@ def plan(
         raise FileNotFoundError(f"model path {path} does not exist")
     dev = torch.device(device)
     cfg, target = _header(path, dtype, dev)
-    quant = None
-    if quantize is not None:
-        quant = Quantization(quantize, group_size or gguf_cache.default_int4_group(path))
+    quant = _quantization(quantize, group_size, dtype, path, dev, device_map, max_memory, execution_device)
     names, sizes, tied = parameter_table(cfg, target, quant)
     kv = kv_bytes_per_token(cfg, target)
     placement = resolve(names, sizes, device_map, max_memory, str(dev), tied, kv, execution_device)
@@ -97,7 +95,7 @@ def plan(
     with torch.device("meta"):
         probe = Decoder(cfg)  # module shapes, no storage
     transposed = frozenset()
-    if transposes_wide_weights(target, placement.device, quantize):
+    if transposes_wide_weights(target, placement.device, quant.mode if quant else None):
         transposed = frozenset(wide_weight_names(probe, tied))
     fusion = _fusion(probe, placement, quant, target, transposed)
     widen = target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill
@@ -132,6 +130,36 @@ def _decision(placement: Placement, cache: str, compile: bool, layers: int) -> C
 def _steps(*applies: bool) -> tuple[str, ...]:
     """The steps of STEP_ORDER that run: "open" and "build" always, the others when they apply (in order)."""
     return STEP_ORDER[:2] + tuple(s for s, on in zip(STEP_ORDER[2:], applies, strict=True) if on)
+
+
+def _quantization(
+    quantize, group_size, dtype, path: Path, device: torch.device, device_map, max_memory, execution_device
+) -> Quantization | None:
+    """What `quantize` makes of the projections. "auto" (the default): a GGUF's Q4_0/Q4_1 projections stay
+    packed (int4 in the file's own groups of 32, the LM head int8) when the dtype is left to tierlm, the
+    forward runs on the CPU and this CPU decodes them faster packed (`cpu.keeps_q4_packed`); otherwise
+    every weight is float. None: float; "int8" / "int4": as asked."""
+    if quantize == "auto":
+        packs = (
+            dtype == "auto"
+            and _runs_on_cpu(device, device_map, max_memory, execution_device)
+            and cpu.detect().keeps_q4_packed
+            and gguf_cache.has_q4_projections(path)
+        )
+        quantize = "int4" if packs else None
+    if quantize is None:
+        return None
+    return Quantization(quantize, group_size or gguf_cache.default_int4_group(path))
+
+
+def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device) -> bool:
+    """Whether the forward runs on the CPU, from the arguments alone (no accelerator in the map or budget)."""
+    if execution_device is not None:
+        return torch.device(execution_device).type == "cpu"
+    if device.type != "cpu":
+        return False
+    devices = device_map.values() if isinstance(device_map, dict) else (max_memory or {}).keys()
+    return all(str(d) in ("cpu", "disk") for d in devices)
 
 
 def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch.dtype]:
@@ -198,6 +226,8 @@ def describe_plan(path=None, **kwargs) -> str:
         if quant
         else ""
     )
+    if quant and kwargs.get("quantize", "auto") == "auto":
+        weights += ": the GGUF's Q4 blocks kept packed, this CPU's default (--quantize none: float)"
     lines = [
         f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, {str(p.dtype)[6:]}{weights})",
         f"execution device: {placement.device}",

@@ -26,7 +26,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="budgets such as cpu=2GiB,0=20GiB for the device map; implies --device-map auto when none is given",
     )
     p.add_argument("--offload-folder", help="folder for disk-offloaded weights that need conversion")
-    p.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization of the projections")
+    p.add_argument(
+        "--quantize",
+        choices=("auto", "none", "int8", "int4"),
+        help="weight-only quantization of the projections (default auto: a GGUF's Q4_0/Q4_1 blocks stay packed "
+        "as int4 where this CPU decodes them faster; none: float weights)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -66,7 +66,7 @@ def placement_kwargs(args) -> dict:
     if getattr(args, "offload_folder", None):
         kwargs["offload_folder"] = args.offload_folder
     if getattr(args, "quantize", None):
-        kwargs["quantize"] = args.quantize
+        kwargs["quantize"] = None if args.quantize == "none" else args.quantize
     return kwargs
 
 

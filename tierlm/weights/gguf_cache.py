@@ -100,16 +100,22 @@ def source_tensor_types(gguf_path: Path) -> dict[str, str]:
 
 def default_int4_group(path: Path) -> int:
     """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
+    return 32 if has_q4_projections(path) else 64
+
+
+def has_q4_projections(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose projections are all Q4_0/Q4_1 blocks (int4 with groups of 32 holds
+    them exactly)."""
     from tierlm.weights.gguf import GGUFCheckpoint
 
     if path.suffix != ".gguf":
-        return 64
+        return False
     recorded = source_tensor_types(path)  # when the dequantized cache exists
     if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
         gguf = GGUFCheckpoint(path)
         recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
     types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
-    return 32 if types and all(t in ("Q4_0", "Q4_1") for t in types) else 64
+    return bool(types) and all(t in ("Q4_0", "Q4_1") for t in types)
 
 
 # Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template),
