@@ -1,15 +1,18 @@
-"""Perplexity and greedy top-1 agreement of the default model in fp32, bf16, int8 and int4, and llama.cpp's
-perplexity on the same GGUF and text (when llama-cpp-python is installed; `make bench` installs it).
+"""Perplexity and greedy top-1 agreement of the default model (or --model, a GGUF) in fp32, bf16, int8 and
+int4, and llama.cpp's perplexity on the same GGUF and text (when llama-cpp-python is installed; `make bench`
+installs it).
 
-    python benchmarks/quality.py
+    python benchmarks/quality.py [--model FILE.gguf]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 from pathlib import Path
 
-from common import cpu_header, default_model_file, machine_load
+from common import MODEL_ENV, cpu_header, default_model_file, machine_load
 
 import tierlm
 from tierlm.evaluate import next_token_logits, perplexity, top1_agreement
@@ -19,8 +22,9 @@ VARIANTS = [
     ("fp32", dict(dtype="float32")),
     ("bf16", dict(dtype="bfloat16")),
     ("int8", dict(dtype="bfloat16", quantize="int8")),
-    ("int4 (g32, from Q4_1 blocks; head int8)", dict(dtype="bfloat16", quantize="int4")),
+    ("int4 (g32 from Q4_0/Q4_1 blocks, else g64; head int8)", dict(dtype="bfloat16", quantize="int4")),
     ("int4 g64 (head int8)", dict(dtype="bfloat16", quantize="int4", group_size=64)),
+    ("the default (load() with no arguments)", dict()),
 ]
 
 
@@ -42,10 +46,16 @@ def llama_cpp_perplexity(ids: list[int]) -> float | None:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M Q4_1)")
+    args = p.parse_args()
+    if args.model:
+        os.environ[MODEL_ENV] = str(Path(args.model).resolve())
+    path = default_model_file()
     text = TEXT.read_text()
     rows, ref, ref_ppl, ids = [], None, None, None
     for name, kwargs in VARIANTS:
-        model = tierlm.load(**kwargs)
+        model = tierlm.load(path, **kwargs)
         ids = ids or model.tokenizer.encode(text)
         logits = next_token_logits(model, ids)
         ppl = perplexity(model, ids)
@@ -56,12 +66,12 @@ def main() -> None:
     if peer is None:
         rows.append(("llama.cpp: not installed (make bench installs it)", math.nan, math.nan, "-"))
     else:
-        rows.append(("llama.cpp (its Q4_1 kernels)", peer, peer / ref_ppl - 1, "-"))
+        rows.append(("llama.cpp (its own kernels on the file's blocks)", peer, peer / ref_ppl - 1, "-"))
     print(cpu_header())
-    print(f"default model, {len(ids)} tokens of tests/data/perplexity.txt; {machine_load()}")
-    print(f"{'variant':<48} {'perplexity':>10} {'vs fp32':>9} {'top-1 agree':>12}")
+    print(f"{path.name}, {len(ids)} tokens of tests/data/perplexity.txt; {machine_load()}")
+    print(f"{'variant':<60} {'perplexity':>10} {'vs fp32':>9} {'top-1 agree':>12}")
     for name, ppl, rel, agree in rows:
-        print(f"{name:<48} {ppl:>10.3f} {rel:>+9.2%} {agree:>12}")
+        print(f"{name:<60} {ppl:>10.3f} {rel:>+9.2%} {agree:>12}")
 
 
 if __name__ == "__main__":
