@@ -115,6 +115,30 @@ def test_int4_error_against_float_linear_is_bounded(group_size):
     assert err < INT4_REL_ERROR[group_size]
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_many_int4_rows_on_amx_multiply_the_dequantized_bf16_weight(monkeypatch, amx):
+    """From DEQUANTIZE_ROWS rows on a CPU with AMX, an int4 product unpacks W.T to bf16 and multiplies there
+    (prefill on AMX tiles); fewer rows, or no AMX, take the int4 kernel. The unpacked weight is the kernel's
+    within two bf16 roundings of values up to 2x the largest weight (zero - 8 * scale, then the fused
+    multiply-add): 2^-6 of max |w|; the product within bf16's rounding of weight and output."""
+    from tierlm import cpu
+    from tierlm.quant import DEQUANTIZE_ROWS
+
+    monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated", "AVX512", True, amx=amx))
+    linear = random_linear(512, 256, bias=True)
+    q = Int4Linear.from_linear(linear, 32)
+    assert q.dequantizes == amx
+    reference = q.dequantize()
+    unpacked = q.dequantized_t().float().T
+    torch.testing.assert_close(unpacked, reference, rtol=0, atol=2**-6 * reference.abs().max().item())
+    for rows in (DEQUANTIZE_ROWS - 1, DEQUANTIZE_ROWS):
+        x = random_input(512, torch.bfloat16, rows)
+        with OpRecorder() as rec:
+            y = q(x)
+        assert ("_weight_int4pack_mm_for_cpu.default" in rec.ops) == (not amx or rows < DEQUANTIZE_ROWS)
+        assert rel_error(y, x.float() @ reference.T + q.bias.float()) < 2**-7
+
+
 def test_mismatched_input_dtype_falls_back_exactly():
     linear = random_linear(128, 64)
     x = random_input(128, torch.float32)
