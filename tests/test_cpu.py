@@ -20,16 +20,21 @@ IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8, 11, 250, 3]])
 
 
 class LinearDtypes(TorchFunctionMode):
-    """Records the input dtype and row count of every F.linear."""
+    """Records the input dtype and row count of every F.linear, and of every torch.mv / torch.addmv (one-row
+    products: `vector_calls` counts them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[torch.dtype, int]] = []
+        self.vector_calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear:
             x = args[0]
             self.calls.append((x.dtype, x.shape[-2] if x.dim() > 2 else 1))
+        elif func in (torch.mv, torch.addmv):
+            self.calls.append((args[-1].dtype, 1))
+            self.vector_calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -52,7 +57,8 @@ def test_detect_asks_torch_and_names_the_cpu():
 )
 def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened):
     """The auto dtype of a GGUF is bf16 on both kinds of CPU; bf16 prefill is widened to fp32 only
-    where bf16 is not native. (Float weights: `quantize=None`; the default packing is the next test's.)"""
+    where bf16 is not native, and one-row decode products run as torch.mv only where it is (layers.linear).
+    (Float weights: `quantize=None`; the default packing is the next test's.)"""
     monkeypatch.setattr(cpu, "detect", lambda: features)
     model = tierlm.load(quantize=None)  # the default model, dtype "auto"
     assert model.dtype == torch.bfloat16
@@ -63,6 +69,7 @@ def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, f
     decode = {dtype for dtype, rows in seen.calls if rows == 1}
     assert prefill == {torch.float32 if widened else torch.bfloat16}
     assert decode == {torch.bfloat16}
+    assert (seen.vector_calls > 0) == (not widened)  # the decode step's products, LM head included
 
 
 ARM = CpuFeatures("simulated Arm Neoverse", "SVE256", native_bf16=True)
@@ -98,6 +105,28 @@ def test_detected_cpu_drives_whether_gguf_q4_blocks_stay_packed(
         model = tierlm.load()
         kinds = {type(m) for n, m in model.decoder.named_modules() if n.endswith("proj")}
         assert kinds == {Int4Linear} and isinstance(model.decoder.lm_head, Int8Linear)
+
+
+@pytest.mark.parametrize("features", [AVX2, NATIVE_BF16], ids=["avx2", "native-bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_one_row_bf16_products_run_as_mv_where_bf16_is_native(monkeypatch, features, bias):
+    """layers.linear: a one-row bf16 product is torch.mv (torch.addmv with a bias) where bf16 is native, F.linear
+    elsewhere, and for several rows or fp32; either way within one bf16 rounding of the fp32 product."""
+    from tierlm.models.layers import linear
+
+    monkeypatch.setattr(cpu, "detect", lambda: features)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(1, 1, 64, generator=g).bfloat16()
+    with LinearDtypes() as seen:
+        y = linear(x, w, b, False)
+        linear(x.expand(1, 3, 64).contiguous(), w, b, False)
+        linear(x.float(), w.float(), None if b is None else b.float(), False)
+    assert seen.vector_calls == (1 if features.native_bf16 else 0)
+    reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (1, 1, 96) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-8 * reference.abs().max().item())
 
 
 def test_fp32_models_never_widen(monkeypatch, tiny_checkpoints):

@@ -49,7 +49,10 @@ class CpuFeatures:
                 "GGUF default dtype bfloat16; bf16 decode products in bf16, its attention in fp32; prefill in "
                 f"fp32 (bf16 weights widened per product){packed}"
             )
-        return f"GGUF default dtype bfloat16; bf16 decode and prefill in bf16{packed}"
+        return (
+            "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its eager "
+            f"attention in fp32; prefill in bf16{packed}"
+        )
 
     def describe(self) -> str:
         bf16 = "native bf16" if self.native_bf16 else "no native bf16"
