@@ -7,6 +7,7 @@ int4 kernels, checked against a plain-torch reference in tests/test_quant.py).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -184,6 +185,7 @@ class Int4Linear(nn.Module):
             and scales_and_zeros.dtype == torch.bfloat16
             and out_features % 64 == 0
             and cpu.detect().amx
+            and unpacks_cpu_int4()
         )
 
     @classmethod
@@ -243,9 +245,9 @@ class Int4Linear(nn.Module):
         byte (k, j) holds column k of row j in its low nibble and of row 32 + j in its high one (checked
         against `dequantize()` in tests/test_quant.py)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        blocks = self.weight_int4.view(n // 64, k, 32)
-        codes = torch.stack([blocks & 15, blocks >> 4], dim=2)  # [N/64, K, 2, 32]: rows j, then 32 + j
-        codes = codes.permute(1, 0, 2, 3).reshape(k // g, g, n).to(self.scales_and_zeros.dtype)
+        codes = (
+            _unpack_cpu_int4_t(self.weight_int4, n, k).reshape(k // g, g, n).to(self.scales_and_zeros.dtype)
+        )
         scales, zeros = self.scales_and_zeros.unbind(-1)  # [K/g, N] each
         scales, zeros = scales.unsqueeze(1), zeros.unsqueeze(1)
         return torch.addcmul(zeros - 8 * scales, codes, scales).reshape(k, n)  # (q - 8) * scale + zero
@@ -272,6 +274,26 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
         packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
         return aten._convert_weight_to_int4pack(packed, _CUDA_INNER_K_TILES)
     raise ValueError(f"int4 on {codes.device.type} is not supported by this torch build (cpu and cuda are)")
+
+
+def _unpack_cpu_int4_t(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The codes [K, N] (uint8) of a CPU-packed int4 weight [N, K]: in each block of 64 rows, byte (k, j) holds
+    column k of row j in its low nibble and of row 32 + j in its high one (torch's AVX-512 packing;
+    `unpacks_cpu_int4` checks it on this process's torch)."""
+    blocks = packed.view(n // 64, k, 32)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=2)  # [N/64, K, 2, 32]: rows j, then 32 + j
+    return codes.permute(1, 0, 2, 3).reshape(k, n)
+
+
+@functools.cache
+def unpacks_cpu_int4() -> bool:
+    """Whether `_unpack_cpu_int4_t` reads the layout this torch packs in (it depends on the kernel torch
+    dispatches to): packs a probe of distinct codes once and unpacks it."""
+    codes = (torch.arange(128 * 64, dtype=torch.int32) * 7 % 16).reshape(128, 64)
+    try:
+        return torch.equal(_unpack_cpu_int4_t(_pack_int4(codes), 128, 64).T.int(), codes)
+    except RuntimeError:  # another layout, whose size does not even match
+        return False
 
 
 def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
