@@ -17,6 +17,7 @@ from tierlm.generation.config import GenerationConfig
 from tierlm.models.decoder import Decoder
 from tierlm.models.layers import FUSED_PROJECTIONS
 from tierlm.module_names import under
+from tierlm.placement.device_map import execution_device as executor_of
 from tierlm.placement.device_map import format_bytes, format_modules
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve
 from tierlm.weights import gguf_cache
@@ -158,8 +159,11 @@ def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device)
         return torch.device(execution_device).type == "cpu"
     if device.type != "cpu":
         return False
-    devices = device_map.values() if isinstance(device_map, dict) else (max_memory or {}).keys()
-    return all(str(d) in ("cpu", "disk") for d in devices)
+    devices = device_map if isinstance(device_map, dict) else {d: d for d in max_memory or {}}
+    try:
+        return executor_of(devices) == "cpu"
+    except ValueError:  # a device it cannot read: `resolve` names the entry, after this
+        return False
 
 
 def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch.dtype]:
