@@ -46,8 +46,8 @@ class CpuFeatures:
         )
         if self.widens_bf16_prefill:
             return (
-                "GGUF default dtype bfloat16; bf16 decode products in bf16, its attention in fp32; prefill in "
-                f"fp32 (bf16 weights widened per product){packed}"
+                "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its "
+                f"attention in fp32; prefill in fp32 (bf16 weights widened per product){packed}"
             )
         return (
             "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its eager "
