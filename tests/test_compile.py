@@ -189,3 +189,27 @@ def test_a_gpu_map_run_on_the_cpu_compiles_only_with_consent(tiny_checkpoints):
     decision = run(model, n=3).stats.compile
     assert not decision.compile and decision.device == "cpu"
     assert decision.reasons == ("execution device 'cpu' compiles only when compile_config is set",)
+
+
+def test_whole_step_compiles_decode_attention_once_for_all_layers(tiny_checkpoints):
+    """A CPU whole step runs every layer's decode attention through one nested compile region
+    (layers.decode_attention_region): the graph the backend receives calls the same subgraph once per
+    layer, the weight products stay in the step's own graph, and the tokens equal eager's (fp32)."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    eager = run(model, n=6)
+    result = run(model, n=6, compile_config=CompileConfig(backend=capture))
+    assert result.token_ids == eager.token_ids
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
+    assert len(calls) == model.config.num_layers
+    assert len({n.args[0].target for n in calls}) == 1  # one subgraph, called by every layer
+    inner = getattr(gm, calls[0].args[0].target).graph
+    assert not any("weight" in str(n.target) for n in inner.nodes if n.op in ("get_attr", "placeholder"))

@@ -207,7 +207,8 @@ def test_compiled_attention_widens_where_the_matmuls_stay_atens(
 ):
     """Without native bf16, a compiled decode step attends in fp32 when its mode leaves the matmuls to aten
     (slow in bf16 there), and in bf16 under max-autotune, whose C++ GEMM templates are faster on bf16 itself:
-    the dtypes of the attention matmuls in the graph the compiler receives."""
+    the dtypes of the attention matmuls in the graph the compiler receives (a whole step's are in the nested
+    region its layers share: layers.decode_attention_region)."""
     from tierlm import CompileConfig
 
     monkeypatch.setattr(cpu, "detect", lambda: AVX2)
@@ -215,9 +216,10 @@ def test_compiled_attention_widens_where_the_matmuls_stay_atens(
     dtypes = set()
 
     def recorder(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if node.target is torch.matmul:
-                dtypes.update(arg.meta["example_value"].dtype for arg in node.args)
+        for graph in (m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)):
+            for node in graph.nodes:
+                if node.target is torch.matmul:
+                    dtypes.update(arg.meta["example_value"].dtype for arg in node.args)
         return gm.forward
 
     cc = CompileConfig(backend=recorder, scope=scope, mode=mode)

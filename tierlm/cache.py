@@ -123,6 +123,9 @@ class RingLayerView:
 class StaticLayerView:
     """One layer's static K/V (also a compiled layer body's view: it never reads the layer index)."""
 
+    # update = index_copy_ at `slots` on dim 2, as layers.decode_attention_region does it
+    writes_at_slots = True
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values
 

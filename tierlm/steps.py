@@ -72,6 +72,9 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=device)
     kwargs = cc.compile_kwargs(str(device))
     decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(str(device)))
+    # A CPU whole step compiles its layers' decode attention once (halves a cold compile; CUDA steps and
+    # AOT packages keep one graph: neither was measured with nested regions)
+    decoder.attention_regions(cc.scope == "model" and device.type == "cpu")
     layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
     if layer_fn is not None and streamer is not None and streamer.streams_layers():
         decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all

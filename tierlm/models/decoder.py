@@ -80,6 +80,13 @@ class Decoder(nn.Module):
             if hasattr(module, "widen_compiled"):
                 module.widen_compiled = on and module.widen
 
+    def attention_regions(self, on: bool) -> None:
+        """Whether a compiled whole step runs each layer's decode attention through one nested compile region
+        (`layers.decode_attention_region`), compiled once for every layer that fits it."""
+        for module in self.modules():
+            if hasattr(module, "region"):
+                module.region = on
+
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
         device = torch.device(device)
