@@ -191,11 +191,27 @@ def test_a_gpu_map_run_on_the_cpu_compiles_only_with_consent(tiny_checkpoints):
     assert decision.reasons == ("execution device 'cpu' compiles only when compile_config is set",)
 
 
-def test_whole_step_compiles_decode_attention_once_for_all_layers(tiny_checkpoints):
-    """A CPU whole step runs every layer's decode attention through one nested compile region
-    (layers.decode_attention_region): the graph the backend receives calls the same subgraph once per
-    layer, the weight products stay in the step's own graph, and the tokens equal eager's (fp32)."""
+@pytest.mark.parametrize(
+    "family, dtype, regions",
+    [
+        ("llama", "float32", "split"),  # fp32 on the CPU: transposed weights, q/k/v not fused
+        ("llama", "bfloat16", "fused"),
+        ("qwen2", "bfloat16", "fused"),  # q/k/v biases, inside the fused product
+        ("qwen3", "bfloat16", None),  # q/k norms: the inline path
+    ],
+)
+def test_whole_step_compiles_decode_attention_once_for_all_layers(
+    tiny_checkpoints, monkeypatch, family, dtype, regions
+):
+    """A CPU whole step runs every fitting layer's decode attention through one nested compile region
+    (layers.decode_attention_region, or its split form for unfused q/k/v): the graph the backend receives
+    calls the same subgraph once per layer and the subgraph holds no weight; tokens and log probabilities
+    are exactly those of the same step without the region (the same ops, in any dtype), and in fp32 the
+    tokens are those of eager decode.
+    A family with q/k norms calls no region."""
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from tierlm.models.decoder import Decoder
 
     graphs = []
 
@@ -203,13 +219,24 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(tiny_checkpoin
         graphs.append(gm)
         return gm.forward
 
-    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
-    eager = run(model, n=6)
-    result = run(model, n=6, compile_config=CompileConfig(backend=capture))
-    assert result.token_ids == eager.token_ids
+    model = tierlm.load(tiny_checkpoints[family], dtype=dtype)
+    fused = {layer.self_attn.fused is not None for layer in model.decoder.model.layers}
+    assert fused == {regions != "split"}
+    with_region = run(model, n=6, logprobs=3, compile_config=CompileConfig(backend=capture))
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
-    assert len(calls) == model.config.num_layers
-    assert len({n.args[0].target for n in calls}) == 1  # one subgraph, called by every layer
-    inner = getattr(gm, calls[0].args[0].target).graph
-    assert not any("weight" in str(n.target) for n in inner.nodes if n.op in ("get_attr", "placeholder"))
+    assert len(calls) == (model.config.num_layers if regions else 0)
+    if regions:
+        assert len({n.args[0].target for n in calls}) == 1  # one subgraph, called by every layer
+        inner = getattr(gm, calls[0].args[0].target).graph
+        assert not any("weight" in str(n.target) for n in inner.nodes if n.op in ("get_attr", "placeholder"))
+    real = Decoder.attention_regions
+    monkeypatch.setattr(Decoder, "attention_regions", lambda self, on: real(self, False))
+    without = tierlm.load(tiny_checkpoints[family], dtype=dtype)
+    inline = run(without, n=6, logprobs=3, compile_config=CompileConfig(backend=capture))
+    calls = [n for n in graphs[-1].graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
+    assert not calls
+    assert with_region.token_ids == inline.token_ids
+    assert with_region.logprobs == inline.logprobs  # every step's log probabilities and top 3, exactly
+    if dtype == "float32":
+        assert with_region.token_ids == run(model, n=6).token_ids

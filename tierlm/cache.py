@@ -132,6 +132,7 @@ class StaticLayerView:
     def update(
         self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
     ):
+        # layers.decode_attention_region writes a compiled whole step's K/V the same way: change both together
         self.keys.index_copy_(2, slots, k)
         self.values.index_copy_(2, slots, v)
         return self.keys[:, :, :length], self.values[:, :, :length]

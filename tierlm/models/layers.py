@@ -264,6 +264,11 @@ def wide_decode_attention(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
+# torch.compiler.nested_compile_region is newer than the oldest torch tierlm accepts; without it the region
+# functions are plain ones, which a compiled step inlines per layer as before
+_nested_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+
+
 def _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
     """One layer's compiled decode attention from q [b, s, H, d], k and v [b, s, KV, d]: rotary, this step's
     K/V written into the layer's static cache in place, grouped attention over the whole cache."""
@@ -274,7 +279,7 @@ def _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide: bool) 
     return grouped_attention(q, keys, values, mask, wide=wide)
 
 
-@torch.compiler.nested_compile_region
+@_nested_region
 def decode_attention_region(qkv, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
     """A whole compiled decode step's attention for one layer, from its fused q/k/v product to the attention
     output [b, H, 1, d] (`_decode_attention`). A nested compile region: inductor compiles it once and every
@@ -304,7 +309,7 @@ def decode_attention_region(qkv, cos, sin, mask, keys, values, slots, wide: bool
     )
 
 
-@torch.compiler.nested_compile_region
+@_nested_region
 def split_decode_attention_region(q, k, v, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
     """`decode_attention_region` for separate q/k/v products (a layer whose projections are not fused)."""
     b, s, _ = q.shape
