@@ -241,3 +241,33 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
     assert with_region.logprobs == inline.logprobs  # every step's log probabilities and top 3, exactly
     if dtype == "float32":
         assert with_region.token_ids == run(model, n=6).token_ids
+
+
+def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_checkpoints):
+    """Twelve whole steps (twelve cache lengths) built in one process each compile once and decode the
+    eager tokens: each step has a code object of its own, so dynamo's per-code recompile limit (8, an
+    error under fullgraph) does not count them together. The graphs of the steps the model dropped (with
+    their caches) are freed; those of the steps it holds are alive."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(weakref.ref(gm))
+        return gm.forward
+
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    eager = run(model, n=4)
+    lengths = [32 + 8 * i for i in range(12)]
+    assert len(lengths) > torch._dynamo.config.recompile_limit
+    for length in lengths:
+        result = run(model, n=4, max_cache_len=length, compile_config=CompileConfig(backend=capture))
+        assert result.token_ids == eager.token_ids
+    assert len(graphs) == len(lengths)  # one graph per step, none traced twice
+    held = {key[2] for key in model._compiled}  # the model keeps the steps of the caches it keeps
+    assert held and held < set(lengths)
+    gc.collect()
+    alive = [length for length, ref in zip(lengths, graphs) if ref() is not None]
+    assert set(alive) == held  # a dropped step's graph went with it

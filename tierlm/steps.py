@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -45,8 +46,11 @@ class CompiledSteps(Mapping):
         return len(self._steps)
 
     def drop(self, batch: int, length: int) -> None:
-        """Forget the steps built for caches of (batch, length) (their cache was let go)."""
-        self._steps = {k: v for k, v in self._steps.items() if k[1:3] != (batch, length)}
+        """Forget the steps built for caches of (batch, length) (their cache was let go), and free their graphs."""
+        for key in [k for k in self._steps if k[1:3] == (batch, length)]:
+            step = self._steps.pop(key)
+            if isinstance(step, CompiledStep):
+                step.release()
 
     def step(self, model, cache, compile_config: CompileConfig | None):
         """The step for `cache` under `compile_config`: found, loaded from model.packages, or built."""
@@ -91,7 +95,8 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
 
     if cc.scope == "model" and device.type == "cuda":
         _static_addresses(cache)
-    compiled = decode_step if cc.scope == "layer" else torch.compile(decode_step, **kwargs)
+    own = None if cc.scope == "layer" else _own_code(decode_step)
+    compiled = decode_step if own is None else torch.compile(own, **kwargs)
     freezing = bool(kwargs.get("options", {}).get("freezing"))
     what = (
         f"the decode step (scope {cc.scope}, mode {cc.resolved_mode(str(device))}, "
@@ -99,7 +104,17 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     )
     if cc.scope == "model" and device.type == "cpu":
         what += "; a cold whole-model compile takes minutes on a CPU"
-    return CompiledStep(compiled, cache, freezing, cc.scope == "model", what)
+    return CompiledStep(compiled, cache, freezing, cc.scope == "model", what, own)
+
+
+def _own_code(fn):
+    """`fn` with a code object of its own. Dynamo keeps compiled graphs per code object, and every step
+    built here is a closure of the same `decode_step` code: without this, each new whole step (another
+    batch, cache length or model) adds one more entry to one shared list, dynamo's recompile limit (8)
+    makes the ninth step in a process an error (fullgraph), each call searches the list, and a dropped
+    step's graph (with its frozen weights) would stay alive with the code. With its own code object a
+    step's graphs are its alone, and CompiledStep.release frees them."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _static_addresses(cache) -> None:
@@ -122,10 +137,20 @@ class CompiledStep:
     always attends over the whole cache.
     """
 
-    def __init__(self, compiled, cache, freezing: bool, skip_guards: bool, what: str) -> None:
+    def __init__(self, compiled, cache, freezing: bool, skip_guards: bool, what: str, own=None) -> None:
         self.compiled, self.cache = compiled, cache
         self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
         self.traced = False
+        self._own = own  # a whole step's function, with a code object of its own (_own_code)
+
+    def release(self) -> None:
+        """Free this step's compiled graphs. Dynamo keeps them on the code object, where the garbage
+        collector does not reach, so they outlive the step unless its code's entries are reset."""
+        if self._own is not None:
+            import torch._dynamo
+
+            torch._dynamo.reset_code(self._own.__code__)
+            self._own = None
 
     def __call__(self, tokens, positions, slots, length):
         if not self.traced:
