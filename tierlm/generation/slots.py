@@ -103,17 +103,29 @@ class SlotCache:
 
 
 class SlotLayerView:
-    """One layer of a SlotCache (also the compiled layer body's view: it never reads the layer index)."""
+    """One layer of a SlotCache (also the compiled layer body's view: it never reads the layer index).
+
+    Eager decode writes each row's new column by indexing (index_put_); compiled steps keep scatter_,
+    which inductor lowers to a plain store (and AOT packages were exported with). Aten's CPU scatter_
+    took 0.4-0.75 ms for 16 rows of a 3 x 512 x 64 bf16 layer, 2.8 ms in a real step, against 0.026 ms
+    indexed (Zen 3, 2 threads): 60 of them made a 16-row continuous decode step of the default model
+    ~360 ms, against ~130 ms for a static cache's step of the same rows.
+    """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor) -> None:
         self.keys, self.values, self.row_slots = keys, values, row_slots
+        self._rows = torch.arange(keys.shape[0], device=keys.device)
 
     def update(
         self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
     ):
-        where = self.row_slots[:, None, :, None].expand_as(k)
+        eager = not torch.compiler.is_compiling() and k.shape[2] == 1
+        where = None if eager else self.row_slots[:, None, :, None].expand_as(k)
         for store, new in ((self.keys, k), (self.values, v)):
-            store.scatter_(2, where, new)  # the row's own slot
+            if eager:  # the row's own slot: row i's one new column goes to its slot row_slots[i]
+                store[self._rows, :, self.row_slots[:, 0]] = new[:, :, 0]
+            else:
+                store.scatter_(2, where, new)
             store.index_copy_(2, slots, new)  # the scratch column, where this step's queries see it
         return self.keys[:, :, :length], self.values[:, :, :length]
 
