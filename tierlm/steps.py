@@ -114,7 +114,9 @@ def _own_code(fn):
     makes the ninth step in a process an error (fullgraph), each call searches the list, and a dropped
     step's graph (with its frozen weights) would stay alive with the code. With its own code object a
     step's graphs are its alone, and CompiledStep.release frees them."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def _static_addresses(cache) -> None:

@@ -1,0 +1,165 @@
+"""What Ray Serve itself adds to a request on this machine, without tierlm: the floor under the router
+overhead that `benchmarks/serve.py --replicas` measures.
+
+A local Ray instance (2 CPUs, the environment `tierlm serve --replicas` sets: ray_app.LOCAL_SERVE_ENV) runs
+an ingress deployment shaped like tierlm's router (a raw ASGI app) and a leaf deployment. Three routes:
+- /direct: the ingress answers itself (client -> Ray's HTTP proxy -> ingress replica);
+- /unary:  the ingress asks the leaf through a DeploymentHandle, one call (one more hop);
+- /stream: the same through a streaming handle, as tierlm's router forwards every request.
+Each is timed over HTTP keep-alive on loopback (median of `--requests`), against a bare uvicorn server
+answering the same bytes in this process's event loop thread (no Ray).
+
+    python benchmarks/ray_hops.py [--requests 200] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import platform
+import statistics
+import threading
+import time
+
+import torch
+
+BODY = b'{"ok":1}'
+HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+
+
+async def _lifespan(receive, send) -> None:
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _answer(send, headers=HEADERS, body=BODY) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Bare:
+    """The same answer from a plain ASGI app (the no-Ray baseline)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        await _answer(send)
+
+
+def deployments(serve):
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Leaf:
+        async def unary(self, request: dict) -> dict:
+            return {"headers": HEADERS, "body": BODY}
+
+        async def stream(self, request: dict):
+            yield {"headers": HEADERS, "body": BODY}
+
+    class Ingress:
+        def __init__(self, leaf) -> None:
+            self.leaf, self.streaming = leaf, leaf.options(stream=True)
+
+        def __serve_build_asgi_app__(self):
+            ingress = self
+
+            class App:
+                async def __call__(self, scope, receive, send) -> None:
+                    await ingress.asgi(scope, receive, send)
+
+            return App()
+
+        async def asgi(self, scope, receive, send) -> None:
+            if scope["type"] == "lifespan":
+                return await _lifespan(receive, send)
+            path = scope["path"]
+            if path.endswith("/direct"):
+                return await _answer(send)
+            if path.endswith("/unary"):
+                answer = await self.leaf.unary.remote({"path": path})
+                return await _answer(send, answer["headers"], answer["body"])
+            chunks = self.streaming.stream.remote({"path": path})
+            head = await chunks.__anext__()
+            await _answer(send, head["headers"], head["body"])
+            async for _ in chunks:
+                pass
+
+    ingress = serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)(
+        serve.ingress()(Ingress)
+    )
+    return ingress.bind(Leaf.bind())
+
+
+def median_ms(port: int, path: str, n: int) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    times = []
+    for i in range(n + 10):
+        start = time.perf_counter()
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"GET {path}: {response.status}")
+        if i >= 10:  # warm-up
+            times.append((time.perf_counter() - start) * 1e3)
+    conn.close()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8351)
+    args = parser.parse_args()
+
+    from tierlm.server.ray_app import LOCAL_SERVE_ENV
+
+    os.environ.update(LOCAL_SERVE_ENV)  # read by Ray Serve's constants at import
+    import ray
+    import uvicorn
+    from ray import serve
+
+    bare = uvicorn.Server(uvicorn.Config(Bare(), host="127.0.0.1", port=args.port + 1, log_level="error"))
+    threading.Thread(target=bare.run, daemon=True).start()
+    while not bare.started:
+        time.sleep(0.05)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(deployments(serve), name="hops", route_prefix="/")
+    rows = {"no Ray (uvicorn)": [], "/direct": [], "/unary": [], "/stream": []}
+    for _ in range(args.rounds):
+        rows["no Ray (uvicorn)"].append(median_ms(args.port + 1, "/", args.requests))
+        for path in ("/direct", "/unary", "/stream"):
+            rows[path].append(median_ms(args.port, path, args.requests))
+    serve.shutdown()
+    ray.shutdown()
+    bare.should_exit = True
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(
+        f"cpu: {cpu}, {os.cpu_count()} CPUs, torch.backends.cpu.get_cpu_capability() = "
+        f"{torch.backends.cpu.get_cpu_capability()}; ray {ray.__version__}; {LOCAL_SERVE_ENV}"
+    )
+    print(f"median ms of {args.requests} GETs (HTTP keep-alive, loopback); median of {args.rounds} rounds")
+    base = statistics.median(rows["no Ray (uvicorn)"])
+    print(f"{'route':<34} {'ms':>7} {'added ms':>9}")
+    what = {
+        "no Ray (uvicorn)": "no Ray (uvicorn)",
+        "/direct": "proxy -> ingress",
+        "/unary": "proxy -> ingress -> leaf (unary)",
+        "/stream": "proxy -> ingress -> leaf (stream)",
+    }
+    for key, values in rows.items():
+        ms = statistics.median(values)
+        print(f"{what[key]:<34} {ms:7.2f} {ms - base:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
