@@ -134,6 +134,25 @@ def test_per_row_warp_equals_the_scalar_one():
         torch.testing.assert_close(rows[i : i + 1][~one.isinf()], one[~one.isinf()])
 
 
+def test_rows_that_only_set_a_temperature_are_not_filtered():
+    """With top_k 0, top_p 1 and min_p 0 in every row nothing is sorted or dropped: the scores are the
+    logits over the temperature, bit for bit, even a token whose probability underflows to 0; one row with
+    a filter sorts the batch, and the rows without one still lose only such zero-probability tokens."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 49152) * 3
+    logits[:, 7] = -1e4  # exp underflows: probability exactly 0
+    t = torch.tensor([[0.7], [1.0], [1.3]])
+    k, p, m = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), torch.zeros(3, 1)
+    assert torch.equal(warp_rows(logits, t, k, p, m), logits / t)
+    p[0] = 0.9
+    mixed = warp_rows(logits, t, k, p, m)
+    assert mixed[0].isinf().sum() > 1000  # row 0 is filtered by its top-p
+    for row in (1, 2):
+        kept = ~mixed[row].isinf()
+        assert kept.sum() == 49151 and not kept[7]
+        assert torch.equal(mixed[row][kept], (logits[row] / t[row])[kept])
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [

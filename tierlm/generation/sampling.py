@@ -146,17 +146,28 @@ def warp_rows(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """warp_logits with [batch, 1] settings per row: top_k 0, top_p 1 and min_p 0 disable their filter."""
+    """warp_logits with [batch, 1] settings per row: top_k 0, top_p 1 and min_p 0 disable their filter.
+
+    The vocabulary is sorted once, ascending, and only when some row filters by top-k or top-p: the k-th
+    largest score is read from that order, and the scores top-k drops are the smallest, so masking them in
+    place leaves the same values in the same order as sorting the filtered scores again, which top-p
+    reads. A sort of 49152 scores costs ~2 ms a row on a 2-core CPU (Zen 3), so two sorts made sampling
+    cost half of a 16-row decode step. Rows that only set a temperature (OpenAI's defaults) sort nothing:
+    top_p 1 would only drop tokens whose probability is already exactly 0.
+    """
     logits = logits.float() / temperature
-    ordered = logits.sort(dim=-1, descending=True).values
-    kth = ordered.gather(-1, (top_k - 1).clamp(0, logits.shape[-1] - 1))
-    logits = logits.masked_fill((top_k > 0) & (logits < kth), _NEG_INF)
-    ascending, order = logits.sort(dim=-1)
-    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-    remove[..., -1:] = False  # the most likely token always stays
-    logits = logits.masked_fill(remove.scatter(-1, order, remove), _NEG_INF)
-    probs = logits.softmax(dim=-1)
-    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _NEG_INF)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        vocab = logits.shape[-1]
+        ascending, order = logits.sort(dim=-1)
+        kth = ascending.gather(-1, (vocab - top_k).clamp(0, vocab - 1))
+        ascending = ascending.masked_fill((top_k > 0) & (ascending < kth), _NEG_INF)
+        remove = ascending.isneginf() | (ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p)
+        remove[..., -1:] = False  # the most likely token always stays
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), _NEG_INF)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _NEG_INF)
+    return logits
 
 
 def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
