@@ -3,7 +3,9 @@ and never twice."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch._dynamo.utils import counters
 
 import tierlm
 import tierlm.compile
-from tierlm import CompileConfig, CompileSkippedWarning
+from tierlm import CompileConfig, CompileSkippedWarning, GenerationConfig
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
 LONGER = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
@@ -248,9 +250,6 @@ def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_check
     eager tokens: each step has a code object of its own, so dynamo's per-code recompile limit (8, an
     error under fullgraph) does not count them together. The graphs of the steps the model dropped (with
     their caches) are freed; those of the steps it holds are alive."""
-    import gc
-    import weakref
-
     torch._dynamo.reset()
     graphs = []
 
@@ -271,3 +270,38 @@ def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_check
     gc.collect()
     alive = [length for length, ref in zip(lengths, graphs) if ref() is not None]
     assert set(alive) == held  # a dropped step's graph went with it
+
+
+def test_a_running_generation_keeps_its_step_when_the_model_drops_it(tiny_checkpoints):
+    """A generation holds its compiled step: when newer cache shapes push its cache (and step) out of the
+    model's keeping mid-run, it decodes on with the same graph, not a retraced one, and the eager tokens;
+    that graph is freed only once the generation is done with it too."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(weakref.ref(gm))
+        return gm.forward
+
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    eager = run(model, n=8)
+    cc = CompileConfig(backend=capture)
+    config = GenerationConfig(max_new_tokens=8, min_new_tokens=8, max_cache_len=32, compile_config=cc)
+    generation = model.start(IDS, config)
+    events = generation.events()
+    with torch.inference_mode():  # as generate() and the server's worker drive a generation
+        for _ in range(3):  # prefill and two compiled steps
+            next(events)
+        assert len(graphs) == 1
+        for length in (40, 48, 56, 64):  # four newer caches: the model lets the first one go
+            run(model, n=2, max_cache_len=length, compile_config=cc)
+        assert 32 not in {key[2] for key in model._compiled}
+        for _ in events:
+            pass
+    assert len(graphs) == 5  # its step was not traced again
+    assert generation.result().token_ids == eager.token_ids
+    first = graphs[0]
+    assert first() is not None  # the generation still holds its step
+    del generation, events
+    gc.collect()
+    assert first() is None

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -46,11 +47,9 @@ class CompiledSteps(Mapping):
         return len(self._steps)
 
     def drop(self, batch: int, length: int) -> None:
-        """Forget the steps built for caches of (batch, length) (their cache was let go), and free their graphs."""
-        for key in [k for k in self._steps if k[1:3] == (batch, length)]:
-            step = self._steps.pop(key)
-            if isinstance(step, CompiledStep):
-                step.release()
+        """Forget the steps built for caches of (batch, length) (their cache was let go). A generation
+        still running may hold one: its graphs go when the step itself goes (CompiledStep)."""
+        self._steps = {k: v for k, v in self._steps.items() if k[1:3] != (batch, length)}
 
     def step(self, model, cache, compile_config: CompileConfig | None):
         """The step for `cache` under `compile_config`: found, loaded from model.packages, or built."""
@@ -113,10 +112,17 @@ def _own_code(fn):
     batch, cache length or model) adds one more entry to one shared list, dynamo's recompile limit (8)
     makes the ninth step in a process an error (fullgraph), each call searches the list, and a dropped
     step's graph (with its frozen weights) would stay alive with the code. With its own code object a
-    step's graphs are its alone, and CompiledStep.release frees them."""
-    return types.FunctionType(
+    step's graphs are its alone, and CompiledStep frees them when it goes. (A layer-scope step compiles
+    `run_layer` itself, shared by all of them: a second shape recompiles it with dynamic shapes.)"""
+    own = types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
+    own.__qualname__ = fn.__qualname__
+    return own
+
+
+def _reset_code(code) -> None:
+    torch._dynamo.reset_code(code)
 
 
 def _static_addresses(cache) -> None:
@@ -143,16 +149,11 @@ class CompiledStep:
         self.compiled, self.cache = compiled, cache
         self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
         self.traced = False
-        self._own = own  # a whole step's function, with a code object of its own (_own_code)
-
-    def release(self) -> None:
-        """Free this step's compiled graphs. Dynamo keeps them on the code object, where the garbage
-        collector does not reach, so they outlive the step unless its code's entries are reset."""
-        if self._own is not None:
-            import torch._dynamo
-
-            torch._dynamo.reset_code(self._own.__code__)
-            self._own = None
+        if own is not None:  # a whole step's function, with a code object of its own (_own_code)
+            # Dynamo keeps the graphs on the code object, where the garbage collector does not reach
+            # them: when this step is gone (dropped with its cache, and no generation holds it any
+            # more), its code's entries are reset, which frees its graphs and their frozen weights
+            weakref.finalize(self, _reset_code, own.__code__).atexit = False
 
     def __call__(self, tokens, positions, slots, length):
         if not self.traced:
