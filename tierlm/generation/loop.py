@@ -164,9 +164,16 @@ class Sampler:
         if self.grammar is not None:  # structured output: what a row's grammar forbids gets -inf
             logits = self.grammar.apply(logits, rows)
         tokens = logits.argmax(dim=-1)
-        if any(not c.greedy for c in configs):
+        sampled = [c for c in configs if not c.greedy]
+        if sampled:  # the filters run when a sampled row asks for them (a greedy row's settings are unused)
             warped = warp_rows(
-                logits, pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.min_p)
+                logits,
+                pick(self.temperature),
+                pick(self.top_k),
+                pick(self.top_p),
+                pick(self.min_p),
+                cut=any(c.top_k > 0 or c.top_p < 1 for c in sampled),
+                floor=any(c.min_p > 0 for c in sampled),
             )
             noise = torch.ones_like(warped)
             for i, row in enumerate(rows):

@@ -145,8 +145,13 @@ def warp_rows(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    *,
+    cut: bool | None = None,
+    floor: bool | None = None,
 ) -> torch.Tensor:
     """warp_logits with [batch, 1] settings per row: top_k 0, top_p 1 and min_p 0 disable their filter.
+    `cut` / `floor`: whether any row filters by top-k or top-p / by min-p, when the caller knows (read
+    from the tensors otherwise, a device sync on an accelerator).
 
     The vocabulary is sorted once, ascending, and only when some row filters by top-k or top-p: the k-th
     largest score is read from that order, and the scores top-k drops are the smallest, so masking them in
@@ -156,7 +161,11 @@ def warp_rows(
     top_p 1 would only drop tokens whose probability is already exactly 0.
     """
     logits = logits.float() / temperature
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if cut is None:
+        cut = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    if floor is None:
+        floor = bool((min_p > 0).any())
+    if cut:
         vocab = logits.shape[-1]
         ascending, order = logits.sort(dim=-1)
         kth = ascending.gather(-1, (vocab - top_k).clamp(0, vocab - 1))
@@ -164,7 +173,7 @@ def warp_rows(
         remove = ascending.isneginf() | (ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p)
         remove[..., -1:] = False  # the most likely token always stays
         logits = logits.masked_fill(remove.scatter(-1, order, remove), _NEG_INF)
-    if bool((min_p > 0).any()):
+    if floor:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _NEG_INF)
     return logits
