@@ -7,7 +7,7 @@ an ingress deployment shaped like tierlm's router (a raw ASGI app) and a leaf de
 - /unary:  the ingress asks the leaf through a DeploymentHandle, one call (one more hop);
 - /stream: the same through a streaming handle, as tierlm's router forwards every request.
 Each is timed over HTTP keep-alive on loopback (median of `--requests`), against a bare uvicorn server
-answering the same bytes in this process's event loop thread (no Ray).
+answering the same bytes from a thread of this process (no Ray).
 
     python benchmarks/ray_hops.py [--requests 200] [--rounds 3]
 """
@@ -116,7 +116,8 @@ def main() -> None:
 
     from tierlm.server.ray_app import LOCAL_SERVE_ENV
 
-    os.environ.update(LOCAL_SERVE_ENV)  # read by Ray Serve's constants at import
+    for key, value in LOCAL_SERVE_ENV.items():  # read by Ray Serve's constants at import; as tierlm serve
+        os.environ.setdefault(key, value)  # does, a value the user set stays
     import ray
     import uvicorn
     from ray import serve
@@ -126,16 +127,18 @@ def main() -> None:
     while not bare.started:
         time.sleep(0.05)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(deployments(serve), name="hops", route_prefix="/")
     rows = {"no Ray (uvicorn)": [], "/direct": [], "/unary": [], "/stream": []}
-    for _ in range(args.rounds):
-        rows["no Ray (uvicorn)"].append(median_ms(args.port + 1, "/", args.requests))
-        for path in ("/direct", "/unary", "/stream"):
-            rows[path].append(median_ms(args.port, path, args.requests))
-    serve.shutdown()
-    ray.shutdown()
-    bare.should_exit = True
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve.run(deployments(serve), name="hops", route_prefix="/")
+        for _ in range(args.rounds):
+            rows["no Ray (uvicorn)"].append(median_ms(args.port + 1, "/", args.requests))
+            for path in ("/direct", "/unary", "/stream"):
+                rows[path].append(median_ms(args.port, path, args.requests))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        bare.should_exit = True
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -143,9 +146,10 @@ def main() -> None:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    env = {key: os.environ[key] for key in LOCAL_SERVE_ENV}
     print(
         f"cpu: {cpu}, {os.cpu_count()} CPUs, torch.backends.cpu.get_cpu_capability() = "
-        f"{torch.backends.cpu.get_cpu_capability()}; ray {ray.__version__}; {LOCAL_SERVE_ENV}"
+        f"{torch.backends.cpu.get_cpu_capability()}; ray {ray.__version__}; {env}"
     )
     print(f"median ms of {args.requests} GETs (HTTP keep-alive, loopback); median of {args.rounds} rounds")
     base = statistics.median(rows["no Ray (uvicorn)"])
