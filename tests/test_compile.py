@@ -245,11 +245,8 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
         assert with_region.token_ids == run(model, n=6).token_ids
 
 
-def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_checkpoints):
-    """Twelve whole steps (twelve cache lengths) built in one process each compile once and decode the
-    eager tokens: each step has a code object of its own, so dynamo's per-code recompile limit (8, an
-    error under fullgraph) does not count them together. The graphs of the steps the model dropped (with
-    their caches) are freed; those of the steps it holds are alive."""
+def weak_capture():
+    """A fresh dynamo and a backend that runs each graph as traced, keeping a weak reference to it."""
     torch._dynamo.reset()
     graphs = []
 
@@ -257,6 +254,15 @@ def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_check
         graphs.append(weakref.ref(gm))
         return gm.forward
 
+    return graphs, capture
+
+
+def test_more_whole_steps_than_dynamos_recompile_limit_in_one_process(tiny_checkpoints):
+    """Twelve whole steps (twelve cache lengths) built in one process each compile once and decode the
+    eager tokens: each step has a code object of its own, so dynamo's per-code recompile limit (8, an
+    error under fullgraph) does not count them together. The graphs of the steps the model dropped (with
+    their caches) are freed; those of the steps it holds are alive."""
+    graphs, capture = weak_capture()
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     eager = run(model, n=4)
     lengths = [32 + 8 * i for i in range(12)]
@@ -276,13 +282,7 @@ def test_a_running_generation_keeps_its_step_when_the_model_drops_it(tiny_checkp
     """A generation holds its compiled step: when newer cache shapes push its cache (and step) out of the
     model's keeping mid-run, it decodes on with the same graph, not a retraced one, and the eager tokens;
     that graph is freed only once the generation is done with it too."""
-    torch._dynamo.reset()
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(weakref.ref(gm))
-        return gm.forward
-
+    graphs, capture = weak_capture()
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     eager = run(model, n=8)
     cc = CompileConfig(backend=capture)
