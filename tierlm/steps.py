@@ -121,10 +121,6 @@ def _own_code(fn):
     return own
 
 
-def _reset_code(code) -> None:
-    torch._dynamo.reset_code(code)
-
-
 def _static_addresses(cache) -> None:
     """Every tensor the cache holds, marked static (cache.mark_static)."""
     for value in vars(cache).values():
@@ -153,7 +149,7 @@ class CompiledStep:
             # Dynamo keeps the graphs on the code object, where the garbage collector does not reach
             # them: when this step is gone (dropped with its cache, and no generation holds it any
             # more), its code's entries are reset, which frees its graphs and their frozen weights
-            weakref.finalize(self, _reset_code, own.__code__).atexit = False
+            weakref.finalize(self, torch._dynamo.reset_code, own.__code__).atexit = False
 
     def __call__(self, tokens, positions, slots, length):
         if not self.traced:

@@ -120,10 +120,10 @@ class SlotLayerView:
         self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
     ):
         eager = not torch.compiler.is_compiling()  # k, v [rows, heads, 1, head_dim]: a decode step's
-        where = None if eager else self.row_slots[:, None, :, None].expand_as(k)
+        where = self.row_slots[:, 0] if eager else self.row_slots[:, None, :, None].expand_as(k)
         for store, new in ((self.keys, k), (self.values, v)):
             if eager:  # the row's own slot: row i's new column goes to its slot row_slots[i]
-                store[self._rows, :, self.row_slots[:, 0]] = new[:, :, 0]
+                store[self._rows, :, where] = new[:, :, 0]
             else:
                 store.scatter_(2, where, new)
             store.index_copy_(2, slots, new)  # the scratch column, where this step's queries see it
