@@ -53,6 +53,8 @@ CODE = (
     "families.py",
     "models",
     "quant.py",
+    "kernels/__init__.py",
+    "kernels/avx2_quant.cpp",  # a package calls tierlm's AVX2 kernels by name
     "cache.py",
     "aot.py",
     "step_export.py",
@@ -94,6 +96,7 @@ def cpu_features() -> dict:
         "native_bf16": f.native_bf16,
         "amx": f.amx,
         "vnni": f.vnni,
+        "avx2_int_kernels": f.avx2_int_kernels,  # int4/int8 products by tierlm's kernels, not aten's
         "vector": vector,
         # AMX kernels need the kernel's permission, which inductor's ISA check asks for and a package never
         # does: ask here (every process computes the key before it loads), and key on whether it was given.
@@ -123,7 +126,7 @@ def quantization(decoder: torch.nn.Module) -> str:
 def code_digest() -> str:
     here = Path(__file__).resolve().parent
     files = sorted(
-        p for name in CODE for p in ([here / name] if name.endswith(".py") else (here / name).glob("*.py"))
+        p for name in CODE for p in ([here / name] if "." in name else (here / name).glob("*.py"))
     )
     digest = hashlib.sha256()
     for p in files:

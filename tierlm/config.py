@@ -5,11 +5,20 @@ The table of supported families is tierlm.families."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierlm.families import FULL, GGUF_SLIDING_PATTERN, MODEL_TYPES, SLIDING, Family, family_for
+
+
+def cache_root() -> Path:
+    """Where tierlm keeps derived files (GGUF conversions, compiled packages, built kernels):
+    $TIERLM_CACHE_DIR, else ~/.cache/tierlm."""
+    env = os.environ.get("TIERLM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tierlm"
+
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

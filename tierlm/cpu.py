@@ -9,6 +9,7 @@ torch is asked wherever it knows (x86 features); only the CPU's name and Arm's B
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,20 @@ class CpuFeatures:
         so not chosen."""
         return self.capability in ("AVX2", "AVX512")
 
+    @property
+    def avx2_int_kernels(self) -> bool:
+        """Whether int4/int8 products run on tierlm's AVX2 kernels (tierlm.kernels): on AVX2 CPUs, where
+        torch's own are slow, unless TIERLM_CPU_KERNELS=aten. Elsewhere (AVX-512, Arm) aten's are kept:
+        tierlm's are measured only on AVX2."""
+        return self.capability == "AVX2" and os.environ.get("TIERLM_CPU_KERNELS", "").lower() != "aten"
+
     def kernels(self) -> str:
         """What this CPU selects, in words."""
         packed = (
             "; GGUF Q4_0/Q4_1 projections stay packed (int4, LM head int8)" if self.keeps_q4_packed else ""
         )
+        if self.avx2_int_kernels:
+            packed += "; int4/int8 decode products by tierlm's AVX2 kernels (int8 activations)"
         if self.widens_bf16_prefill:
             return (
                 "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its "

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm import cpu
+from tierlm import cpu, kernels
 
 MODES = ("int8", "int4")
 # Rows (tokens x sequences) from which an eager int4 product on a CPU with AMX dequantizes the weight to bf16
@@ -53,6 +53,7 @@ def check_mode(mode: str) -> None:
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+AVX2_DTYPES = (torch.bfloat16, torch.float32)  # what tierlm's AVX2 kernels take (tierlm.kernels)
 _CUDA_INNER_K_TILES = 8  # tinygemm on CUDA: K must be a multiple of 16 * inner_k_tiles
 aten = torch.ops.aten
 
@@ -103,7 +104,8 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int, devic
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scales[:, None]).T + bias, through aten._weight_int8pack_mm on CPU."""
+    """y = x @ (weight_int8 * scales[:, None]).T + bias, through aten._weight_int8pack_mm on CPU (tierlm's
+    AVX2 kernel on an AVX2 CPU, see tierlm.kernels)."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -111,6 +113,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # tierlm's AVX2 kernel (kernels.py) where this CPU wants it and the shape suits it
+        self.avx2 = self.in_features % 32 == 0 and self.out_features % 4 == 0 and _avx2_kernels()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
@@ -120,7 +124,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu" and x.dtype == self.scales.dtype and x.dtype in KERNEL_DTYPES:
+        if (
+            self.avx2
+            and x.device.type == "cpu"
+            and x.dtype in KERNEL_DTYPES
+            and x2d.shape[0] <= kernels.MAX_ROWS
+        ):
+            y = torch.ops.tierlm_avx2.int8_mm(x2d.contiguous(), self.weight_int8, self.scales)
+        elif x.device.type == "cpu" and x.dtype == self.scales.dtype and x.dtype in KERNEL_DTYPES:
             y = aten._weight_int8pack_mm(x2d.contiguous(), self.weight_int8, self.scales)
         else:
             # Other dtypes, and CUDA (whose aten kernel is a naive fp32 loop): the scales factor out of
@@ -162,7 +173,8 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu)."""
+    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu) (tierlm's AVX2
+    kernel on an AVX2 CPU, see tierlm.kernels)."""
 
     def __init__(
         self,
@@ -187,6 +199,14 @@ class Int4Linear(nn.Module):
             and cpu.detect().amx
             and unpacks_cpu_int4()
         )
+        # tierlm's AVX2 kernel (kernels.py) where this CPU wants it and the shape suits it
+        self.avx2 = (
+            in_features % 32 == 0
+            and group_size % 32 == 0
+            and out_features % 32 == 0
+            and scales_and_zeros.dtype in AVX2_DTYPES
+            and _avx2_kernels()
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 64, dtype: torch.dtype = torch.bfloat16):
@@ -203,7 +223,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
-        if self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+        if self.avx2 and x2d.device.type == "cpu" and x2d.shape[0] <= kernels.MAX_ROWS:
+            y = torch.ops.tierlm_avx2.int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros)
+            y = y.to(x.dtype)  # x2d is in the scales' dtype
+        elif self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
             y = (x2d @ self.dequantized_t()).to(x.dtype)
         else:
             y = _int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros).to(x.dtype)
@@ -294,6 +317,11 @@ def unpacks_cpu_int4() -> bool:
         return torch.equal(_unpack_cpu_int4_t(_pack_int4(codes), 128, 64).T.int(), codes)
     except RuntimeError:  # another layout, whose size does not even match
         return False
+
+
+def _avx2_kernels() -> bool:
+    """Whether quantized linears built now run tierlm's AVX2 kernels (built on first use)."""
+    return kernels.avx2() is not None
 
 
 def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:

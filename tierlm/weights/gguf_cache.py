@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import warnings
 from pathlib import Path
 
 import torch
 
-from tierlm.config import ModelConfig, RopeScaling
+from tierlm.config import ModelConfig, RopeScaling, cache_root
 from tierlm.weights import safetensors_write
 from tierlm.weights.files import atomic_write, file_identity, identity_key
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
-
-
-def cache_root() -> Path:
-    """Where tierlm keeps derived files: $TIERLM_CACHE_DIR, else ~/.cache/tierlm."""
-    env = os.environ.get("TIERLM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tierlm"
 
 
 def cache_dir(gguf_path: Path) -> Path:

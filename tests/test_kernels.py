@@ -1,0 +1,155 @@
+"""tierlm's AVX2 int4/int8 kernels (tierlm.kernels): their math against an exact product, the error bound of
+their int8 activations, and where quantized linears use them.
+
+The kernels quantize each row of x to int8 in blocks of 32 (scale = the block's largest |x| / 127, round to
+nearest even), then multiply exactly in integers and accumulate in float. So two checks hold on any CPU
+with AVX2: (1) the output equals the exact (float64) product of the dequantized weight with that quantized
+x, up to float32 accumulation (relative 1e-5 of the sum of |terms|) and the output dtype's rounding; (2) it
+differs from the product with the unquantized x by at most half a quantization step per element:
+|y - x W^T| <= sum over blocks b of (d_b / 2) * sum_{k in b} |W[n, k]|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierlm import cpu, kernels
+from tierlm.quant import Int4Linear, Int8Linear
+
+AVX2 = cpu.CpuFeatures("simulated AMD Zen 3", "AVX2", native_bf16=False)
+AVX512 = cpu.CpuFeatures("simulated AMD Zen 4", "AVX512", native_bf16=True)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("the kernels need an x86 CPU with AVX2")
+    built = kernels.loaded()
+    if built is None:
+        pytest.skip("the AVX2 kernels do not build here, or torch packs int4 in another layout (AVX-512)")
+    return built
+
+
+def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernels see it (float32, rows quantized in blocks of 32) and each block's scale d."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(m, k), d.reshape(m, k // 32)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = the kernel's x @ w.T (w: the dequantized weight [N, K], float32)."""
+    xq, d = quantized_x(x)
+    exact = xq.double() @ w.double().T
+    scale = xq.double().abs() @ w.double().abs().T  # the sum of |terms| bounds float32 accumulation error
+    rounding = 0.0 if y.dtype == torch.float32 else 2.0**-8  # bf16 output: half an ulp, relative
+    err = (y.double() - exact).abs()
+    assert (err <= 1e-5 * scale + rounding * exact.abs() + 1e-6).all(), err.max()
+    # the activation quantization's own error: half a step per element, at most
+    m, k = x.shape
+    half_steps = (d.double() / 2).repeat_interleave(32, dim=1)  # [M, K]
+    bound = half_steps @ w.double().abs().T
+    true = x.double() @ w.double().T
+    assert ((y.double() - true).abs() <= bound + 1e-5 * scale + rounding * true.abs() + 1e-6).all()
+
+
+def make_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 5] *= 40  # an outlier column, as LLM activations have: its block gets a coarse step
+    if k >= 64:
+        x[:, 32:64] = 0  # an all-zero block (scale 0)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k", "group"), [(32, 32, 32), (96, 576, 32), (64, 576, 64), (256, 1536, 128)])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int4_matches_the_exact_product_of_its_quantized_activations(ops, dtype, n, k, group, m):
+    lin = torch.nn.Linear(k, n, bias=False)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=torch.Generator().manual_seed(n + k))
+    q = Int4Linear.from_linear(lin, group, dtype)
+    x = make_x(m, k, dtype, seed=m)
+    y = ops.int4_mm(x, q.weight_int4, group, q.scales_and_zeros)
+    assert y.dtype == dtype and y.shape == (m, n)
+    check(y.float() if dtype == torch.float32 else y, x, q.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(4, 32), (100, 576), (512, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int8_matches_the_exact_product_of_its_quantized_activations(ops, dtype, n, k, m):
+    lin = torch.nn.Linear(k, n, bias=False)
+    q = Int8Linear.from_linear(lin, dtype)
+    x = make_x(m, k, dtype, seed=m)
+    y = ops.int8_mm(x, q.weight_int8, q.scales)
+    assert y.dtype == dtype and y.shape == (m, n)
+    check(y, x, q.dequantize())
+
+
+def test_bad_shapes_are_one_clear_error(ops):
+    q = Int4Linear.from_linear(torch.nn.Linear(64, 64, bias=False), 32, torch.float32)
+    with pytest.raises(RuntimeError, match="int4_mm: scales_and_zeros must be"):
+        ops.int4_mm(torch.randn(1, 96), q.weight_int4, 32, q.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="int8_mm: weight must be contiguous int8"):
+        ops.int8_mm(torch.randn(1, 64), torch.zeros(8, 64), torch.ones(8))
+
+
+def linears(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 96, bias=True)
+    return Int4Linear.from_linear(lin, 32, dtype), Int8Linear.from_linear(lin, dtype)
+
+
+def test_quantized_linears_use_the_kernels_where_the_cpu_selects_them(ops, monkeypatch):
+    monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+    assert AVX2.avx2_int_kernels and "tierlm's AVX2 kernels" in AVX2.kernels()
+    q4, q8 = linears()
+    assert q4.avx2 and q8.avx2
+    x = torch.randn(2, 5, 576, dtype=torch.bfloat16)
+    x2d = x.reshape(-1, 576)
+    want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
+    assert torch.equal(q4(x), want4.reshape(2, 5, 96))
+    want8 = ops.int8_mm(x2d, q8.weight_int8, q8.scales) + q8.bias
+    assert torch.equal(q8(x), want8.reshape(2, 5, 96))
+    # more rows than MAX_ROWS (a long prefill): aten's kernels
+    long = torch.randn(kernels.MAX_ROWS + 1, 576, dtype=torch.bfloat16)
+    aten4 = torch.ops.aten._weight_int4pack_mm_for_cpu(long, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
+    assert torch.equal(q4(long), aten4)
+    assert torch.equal(q8(long), torch.ops.aten._weight_int8pack_mm(long, q8.weight_int8, q8.scales) + q8.bias)
+
+
+@pytest.mark.parametrize("why", ["aten", "avx512"])
+def test_other_cpus_and_the_opt_out_keep_atens_kernels(ops, monkeypatch, why):
+    if why == "aten":
+        monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+        monkeypatch.setenv("TIERLM_CPU_KERNELS", "aten")
+        assert not AVX2.avx2_int_kernels
+    else:
+        monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
+        monkeypatch.setattr(cpu, "detect", lambda: AVX512)
+    assert kernels.avx2() is None
+    q4, q8 = linears()
+    assert not q4.avx2 and not q8.avx2
+    x = torch.randn(3, 576, dtype=torch.bfloat16)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
+    assert torch.equal(q4(x), want)
+    assert "tierlm's AVX2 kernels" not in cpu.detect().kernels()
+
+
+def test_a_compiled_graph_calls_the_kernels(ops, monkeypatch):
+    monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+    q4, q8 = linears()
+    model = torch.nn.Sequential(q4, torch.nn.GELU(), torch.nn.Linear(96, 576, dtype=torch.bfloat16), q8).eval()
+    x = torch.randn(1, 576, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    # the same kernels on the same inputs: only the float ops between them may round differently
+    torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=1e-3)

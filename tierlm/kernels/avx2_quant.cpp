@@ -1,0 +1,283 @@
+// tierlm's AVX2 matrix products for weight-only int4 and int8, for CPUs where torch has no fast path
+// (no AVX-512, no AMX). Activations are quantized to int8 in blocks of 32 (a float scale per block,
+// round to nearest), and the products run as 8-bit integer dot products (vpmaddubsw), which need far
+// fewer instructions per weight than widening every weight to float. This is the trade llama.cpp makes
+// on the same CPUs; tests/test_kernels.py bounds the error it adds against the exact product.
+//
+// int4: the weight layout and the scales are torch's own on an AVX2 CPU (aten._convert_weight_to_int4pack_for_cpu
+// and _weight_int4pack_mm_for_cpu): in each block of 32 rows, byte (k, j) holds column k of row j in its low
+// nibble and of row 16 + j in its high one; scales_and_zeros is [K/g, N, 2] and w = (q - 8) * s + z.
+// int8: the weight is int8 [N, K] row-major with a scale per row (aten._weight_int8pack_mm's inputs).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QB = 32;
+#ifndef PREFETCH
+#define PREFETCH 8192  // bytes ahead of the weight stream (one core reaches half the read bandwidth without)
+#endif  // activations are quantized in blocks of 32 columns
+
+inline __m256 load_bf16x8(const c10::BFloat16* p) {  // 8 bf16 -> 8 float
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) { return load_bf16x8(p); }
+
+// x [M, K] (float or bf16) -> xq [M, K] int8, d [M, K/32] (scale) and xs [M, K/32] (block sums of d * xq)
+template <typename X>
+void quantize_rows(const X* x, int64_t m, int64_t k, int8_t* xq, float* d, float* xs) {
+  const int64_t nb = k / QB;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const X* v = x + r * k + b * QB;
+      __m256 t[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        t[i] = load8(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, t[i]));
+      }
+      float a[8];
+      _mm256_storeu_ps(a, amax);
+      float mx = 0.f;
+      for (int i = 0; i < 8; ++i) mx = a[i] > mx ? a[i] : mx;
+      const float scale = mx / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      d[r * nb + b] = scale;
+      int8_t* q = xq + r * k + b * QB;
+      float f[QB];
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(t[i], _mm256_set1_ps(inv)));
+      int qsum = 0;
+      for (int i = 0; i < QB; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(f[i]));
+        qsum += q[i];
+      }
+      // the block's sum as the quantized values give it, so that the zero points multiply the same x as
+      // the codes do (the exact sum would leave the codes' rounding error unbalanced, q being 0..15)
+      xs[r * nb + b] = scale * static_cast<float>(qsum);
+    }
+  }
+}
+
+// scale and zero of 8 consecutive rows from an interleaved (scale, zero) row of [.., N, 2]
+template <typename T>
+inline void load_scale_zero(const T* sz, __m256& s, __m256& z);
+
+template <>
+inline void load_scale_zero<float>(const float* sz, __m256& s, __m256& z) {
+  __m256 a = _mm256_loadu_ps(sz), b = _mm256_loadu_ps(sz + 8);  // s0 z0 s1 z1 ... s7 z7
+  __m256 ss = _mm256_shuffle_ps(a, b, 0x88), zz = _mm256_shuffle_ps(a, b, 0xDD);  // s0 s1 s4 s5 s2 s3 s6 s7
+  s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ss), 0xD8));
+  z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(zz), 0xD8));
+}
+
+template <>
+inline void load_scale_zero<c10::BFloat16>(const c10::BFloat16* sz, __m256& s, __m256& z) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));  // per int32: scale low, zero high
+  s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// One block of 32 rows for one activation row: out[0..31] = sum_k w[row, k] * x[k]
+template <typename T>
+void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g, const int8_t* xq,
+                 const float* d, const float* xs, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  // in each 128-bit lane, bytes 0-7 (column c) and 8-15 (column c + 1) interleaved into byte pairs
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  __m256 acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t nb = k / QB;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc32[4];
+    for (int i = 0; i < 4; ++i) acc32[i] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      // 16 columns: each product is at most 2 * 15 * 127, so eight of them fit in int16
+      __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
+      const int64_t k0 = b * QB + half * 16;
+      for (int line = 0; line < 4; ++line)  // 16 columns are 4 cache lines; fetch those PREFETCH bytes on
+        _mm_prefetch(reinterpret_cast<const char*>(w + k0 * 16 + PREFETCH + 64 * line), _MM_HINT_T0);
+      for (int64_t c = k0; c < k0 + 16; c += 2) {
+        // columns c and c + 1 of the 32 rows: qwords (c: rows 0-7, 8-15 | c+1: rows 0-7, 8-15) -> lanes
+        // (rows 0-7 of c, of c+1 | rows 8-15 of c, of c+1) -> byte pairs (w[r, c], w[r, c + 1])
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16));
+        const __m256i t = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), pairs);
+        int16_t pair;  // (xq[c], xq[c + 1]) as the byte pair each row's pair multiplies
+        std::memcpy(&pair, xq + c, 2);
+        const __m256i xp = _mm256_set1_epi16(pair);
+        lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_and_si256(t, low), xp));  // rows 0-7 | 8-15
+        hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 4), low), xp));  // 16-23 | 24-31
+      }
+      acc32[0] = _mm256_add_epi32(acc32[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16)));
+      acc32[1] = _mm256_add_epi32(acc32[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16, 1)));
+      acc32[2] = _mm256_add_epi32(acc32[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16)));
+      acc32[3] = _mm256_add_epi32(acc32[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16, 1)));
+    }
+    const int64_t group = b * QB / g;
+    const __m256 db = _mm256_set1_ps(d[b]), xsb = _mm256_set1_ps(xs[b]), eight = _mm256_set1_ps(8.f);
+    const T* szg = sz + group * n * 2;
+    for (int i = 0; i < 4; ++i) {
+      __m256 s, z;
+      load_scale_zero<T>(szg + i * 16, s, z);
+      // sum (q - 8) s x + z x = s * d * sum(q xq) + (z - 8 s) * sum(x)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[i]), _mm256_mul_ps(s, db), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xsb, acc[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Four rows of an int8 weight for one activation row (before the rows' scales)
+void int8_rows4(const int8_t* w, int64_t k, const int8_t* xq, const float* d, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = k / QB;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * k + b * QB + PREFETCH), _MM_HINT_T0);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QB));
+    const __m256 db = _mm256_broadcast_ss(d + b);
+    for (int r = 0; r < 4; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + b * QB));
+      // |w| * (x with w's sign): unsigned by signed, as vpmaddubsw needs; at most 2 * 128 * 127 per pair
+      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      const __m256i p32 = _mm256_madd_epi16(p, ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), db, acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]);
+}
+
+struct Quantized {  // x quantized, in buffers reused by the calls of one thread
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Quantized& quantize(const at::Tensor& x) {
+  thread_local Quantized buf;
+  const int64_t m = x.size(0), k = x.size(1);
+  buf.q.resize(m * k);
+  buf.d.resize(m * k / QB);
+  buf.s.resize(m * k / QB);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), m, k, buf.q.data(), buf.d.data(), buf.s.data());
+  else
+    quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, buf.q.data(), buf.d.data(), buf.s.data());
+  return buf;
+}
+
+template <typename Y>
+inline void store(Y* out, const float* v, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<Y>(v[i]);  // bf16: round to nearest even
+}
+
+void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+}
+
+template <typename T, typename Y>
+void int4_run(const Quantized& x, int64_t m, int64_t k, const uint8_t* w, const T* sz, int64_t n, int64_t g, Y* o) {
+  const int64_t nb = k / QB;
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    float tmp[32];
+    for (int64_t rb = begin; rb < end; ++rb) {
+      for (int64_t r = 0; r < m; ++r) {
+        int4_rows32<T>(w + rb * 16 * k, sz + rb * 64, n, k, g, x.q.data() + r * k, x.d.data() + r * nb,
+                       x.s.data() + r * nb, tmp);
+        store(o + r * n + rb * 32, tmp, 32);
+      }
+    }
+  });
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz) {
+  check_x(x, "int4_mm");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.size(0) * group_size == k && sz.is_contiguous(),
+              "int4_mm: scales_and_zeros must be contiguous [K/g, N, 2]");
+  const int64_t n = sz.size(1);
+  TORCH_CHECK(k % QB == 0 && group_size % QB == 0 && n % 32 == 0, "int4_mm: K and the group size must be multiples of 32, N of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == n * k, "int4_mm: packed weight must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "int4_mm: scales must be float32 or bfloat16");
+  const Quantized& xq = quantize(x);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const bool f32 = x.scalar_type() == at::kFloat;
+  if (sz.scalar_type() == at::kFloat) {
+    if (f32) int4_run(xq, m, k, w, sz.data_ptr<float>(), n, group_size, out.data_ptr<float>());
+    else int4_run(xq, m, k, w, sz.data_ptr<float>(), n, group_size, out.data_ptr<c10::BFloat16>());
+  } else {
+    if (f32) int4_run(xq, m, k, w, sz.data_ptr<c10::BFloat16>(), n, group_size, out.data_ptr<float>());
+    else int4_run(xq, m, k, w, sz.data_ptr<c10::BFloat16>(), n, group_size, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+template <typename S, typename Y>
+void int8_run(const Quantized& x, int64_t m, int64_t k, const int8_t* w, const S* s, int64_t n, Y* o) {
+  const int64_t nb = k / QB;
+  at::parallel_for(0, n / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      for (int64_t r = 0; r < m; ++r) {
+        float tmp[4];
+        int8_rows4(w + q * 4 * k, k, x.q.data() + r * k, x.d.data() + r * nb, tmp);
+        for (int i = 0; i < 4; ++i) tmp[i] *= static_cast<float>(s[q * 4 + i]);
+        store(o + r * n + q * 4, tmp, 4);
+      }
+    }
+  });
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  check_x(x, "int8_mm");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == k && weight.is_contiguous(),
+              "int8_mm: weight must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
+              "int8_mm: scales must be contiguous float32 or bfloat16 [N]");
+  TORCH_CHECK(k % QB == 0 && n % 4 == 0, "int8_mm: K must be a multiple of 32 and N of 4");
+  const Quantized& xq = quantize(x);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const bool f32 = x.scalar_type() == at::kFloat;
+  if (scales.scalar_type() == at::kFloat) {
+    if (f32) int8_run(xq, m, k, w, scales.data_ptr<float>(), n, out.data_ptr<float>());
+    else int8_run(xq, m, k, w, scales.data_ptr<float>(), n, out.data_ptr<c10::BFloat16>());
+  } else {
+    if (f32) int8_run(xq, m, k, w, scales.data_ptr<c10::BFloat16>(), n, out.data_ptr<float>());
+    else int8_run(xq, m, k, w, scales.data_ptr<c10::BFloat16>(), n, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tierlm_avx2, lib) {
+  lib.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
+  lib.impl("int4_mm", &int4_mm);
+  lib.impl("int8_mm", &int8_mm);
+}
