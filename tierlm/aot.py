@@ -125,9 +125,7 @@ def quantization(decoder: torch.nn.Module) -> str:
 
 def code_digest() -> str:
     here = Path(__file__).resolve().parent
-    files = sorted(
-        p for name in CODE for p in ([here / name] if "." in name else (here / name).glob("*.py"))
-    )
+    files = sorted(p for name in CODE for p in ([here / name] if "." in name else (here / name).glob("*.py")))
     digest = hashlib.sha256()
     for p in files:
         digest.update(str(p.relative_to(here)).encode() + b"\0" + p.read_bytes())

@@ -124,12 +124,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if (
-            self.avx2
-            and x.device.type == "cpu"
-            and x.dtype in KERNEL_DTYPES
-            and x2d.shape[0] <= kernels.MAX_ROWS
-        ):
+        if self.avx2 and x.device.type == "cpu" and x.dtype in AVX2_DTYPES:
             y = torch.ops.tierlm_avx2.int8_mm(x2d.contiguous(), self.weight_int8, self.scales)
         elif x.device.type == "cpu" and x.dtype == self.scales.dtype and x.dtype in KERNEL_DTYPES:
             y = aten._weight_int8pack_mm(x2d.contiguous(), self.weight_int8, self.scales)
@@ -223,7 +218,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
-        if self.avx2 and x2d.device.type == "cpu" and x2d.shape[0] <= kernels.MAX_ROWS:
+        if self.avx2 and x2d.device.type == "cpu":
             y = torch.ops.tierlm_avx2.int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros)
             y = y.to(x.dtype)  # x2d is in the scales' dtype
         elif self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():

@@ -6,7 +6,8 @@ float. These kernels quantize the activations to int8 in blocks of 32 and multip
 products, as llama.cpp does on the same CPUs; they read the weights in torch's own packed layouts, so a
 model quantized for aten's kernels runs on them unchanged. They are used where
 `cpu.detect().avx2_int_kernels` says so (AVX2 CPUs, the ones they are measured on, unless
-`TIERLM_CPU_KERNELS=aten`), for products of at most `MAX_ROWS` rows.
+`TIERLM_CPU_KERNELS=aten`), for decode and prefill alike (faster than aten's at every row count measured,
+1 to 743 rows).
 
 The C++ is compiled once per machine with torch's extension builder (the compiler inductor already needs)
 into tierlm's cache folder, ~20 s; a machine where that fails keeps aten's kernels and says why once.
@@ -25,7 +26,6 @@ from tierlm.config import cache_root
 
 SOURCE = Path(__file__).with_name("avx2_quant.cpp")
 LIBRARY = "tierlm_avx2"
-MAX_ROWS = 64  # products of more rows (long prefills) stay on aten's kernels, which reuse each weight
 
 
 def wanted() -> bool:
