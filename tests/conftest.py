@@ -109,6 +109,9 @@ def _isolated_cache(tmp_path_factory):
 
     old = os.environ.get("TIERLM_CACHE_DIR")
     os.environ["TIERLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tierlm-cache"))
+    # tierlm's C++ kernels are built once for the session, not once per test that uses a cache of its own
+    # (subprocesses inherit this)
+    os.environ.setdefault("TIERLM_KERNELS_DIR", str(tmp_path_factory.mktemp("tierlm-kernels")))
     yield
     if old is None:
         os.environ.pop("TIERLM_CACHE_DIR", None)

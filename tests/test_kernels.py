@@ -150,3 +150,15 @@ def test_a_compiled_graph_calls_the_kernels(ops, monkeypatch):
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
     # the same kernels on the same inputs: only the float ops between them may round differently
     torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=1e-3)
+
+
+def test_the_cache_listing_names_built_kernels(tmp_path):
+    from tierlm.cache_folder import cache_entries, clear_cache
+
+    built = tmp_path / "kernels" / "0123456789abcdef"
+    built.mkdir(parents=True)
+    (built / "tierlm_avx2.so").write_bytes(bytes(3000))
+    (entry,) = cache_entries(tmp_path)
+    assert (entry.kind, entry.nbytes) == ("kernels", 3000) and "AVX2 kernels" in entry.about
+    removed, kept = clear_cache(tmp_path)
+    assert removed == [entry] and not kept and not (tmp_path / "kernels").exists()

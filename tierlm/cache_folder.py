@@ -2,7 +2,8 @@
 
 The folder holds gguf/<key>/ (dequantized GGUF weights per dtype and the tokenizer), offload/<key>/ (disk
 offloaded weights converted to the compute dtype or packed int8/int4), aot/<key>/ (compiled decode steps
-built ahead of time, tierlm.aot), inductor/ (compiled kernels), and
+built ahead of time, tierlm.aot), inductor/ (compiled kernels), kernels/ (tierlm's own C++ kernels, built
+once per machine: tierlm.kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
 writer's are never removed, a dead writer's are leftovers.
 """
@@ -23,7 +24,7 @@ class CacheEntry:
     """One removable thing in the cache folder."""
 
     path: Path
-    kind: str  # "gguf", "offload", "aot", "inductor", "temporary" or "other"
+    kind: str  # "gguf", "offload", "aot", "inductor", "kernels", "temporary" or "other"
     nbytes: int
     about: str  # what it holds, in words
     live_writer: int | None = None  # pid of the process still writing it (temporaries only)
@@ -43,6 +44,8 @@ def cache_entries(root: Path) -> list[CacheEntry]:
                 entries.extend(_entries_of(child, path.name))
         elif path.name == "inductor" and path.is_dir():
             entries.append(CacheEntry(path, "inductor", tree_size(path), "compiled kernels (torch inductor)"))
+        elif path.name == "kernels" and path.is_dir():
+            entries.append(CacheEntry(path, "kernels", tree_size(path), "tierlm's AVX2 kernels, built"))
         else:
             entries.extend(_entries_of(path, "other"))
     return entries

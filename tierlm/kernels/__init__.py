@@ -10,13 +10,15 @@ model quantized for aten's kernels runs on them unchanged. They are used where
 1 to 743 rows).
 
 The C++ is compiled once per machine with torch's extension builder (the compiler inductor already needs)
-into tierlm's cache folder, ~20 s; a machine where that fails keeps aten's kernels and says why once.
+into `<cache>/kernels/<digest>` ($TIERLM_KERNELS_DIR instead of `<cache>/kernels` if set), ~20 s; a machine where
+that fails keeps aten's kernels and says why once.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -42,7 +44,7 @@ def _build():
     digest = hashlib.sha256(
         SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()
     ).hexdigest()[:16]
-    folder = cache_root() / "kernels" / digest
+    folder = Path(os.environ.get("TIERLM_KERNELS_DIR") or cache_root() / "kernels") / digest
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / f"{LIBRARY}.so").exists():
         print("tierlm: building the AVX2 int4/int8 kernels (once per machine, ~20 s)", file=sys.stderr)
