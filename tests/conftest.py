@@ -104,19 +104,20 @@ def hf_default_model(default_model_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Tests never touch the user's ~/.cache/tierlm."""
+    """Tests never touch the user's ~/.cache/tierlm (nor its built kernels)."""
     import os
 
-    old = os.environ.get("TIERLM_CACHE_DIR")
+    saved = {name: os.environ.get(name) for name in ("TIERLM_CACHE_DIR", "TIERLM_KERNELS_DIR")}
     os.environ["TIERLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tierlm-cache"))
     # tierlm's C++ kernels are built once for the session, not once per test that uses a cache of its own
     # (subprocesses inherit this)
     os.environ.setdefault("TIERLM_KERNELS_DIR", str(tmp_path_factory.mktemp("tierlm-kernels")))
     yield
-    if old is None:
-        os.environ.pop("TIERLM_CACHE_DIR", None)
-    else:
-        os.environ["TIERLM_CACHE_DIR"] = old
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

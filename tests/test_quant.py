@@ -88,13 +88,25 @@ def test_int4_linear_matches_dequantized_reference(dtype, group_size):
     assert_matches_reference(q(x), x.float() @ reference_weight.T + q.bias.float())
 
 
-def test_bf16_activations_go_through_the_aten_kernels():
+@pytest.mark.parametrize("kernels", ["aten", "avx2"])
+def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
+    """aten's kernels, or tierlm's AVX2 ones where the CPU selects them (tests/test_kernels.py checks their
+    math); the fp32-activation fallback below holds either way."""
+    from tierlm import cpu
+    from tierlm import kernels as tierlm_kernels
+
+    if kernels == "aten":
+        monkeypatch.setenv("TIERLM_CPU_KERNELS", "aten")
+        ops = ("_weight_int8pack_mm.default", "_weight_int4pack_mm_for_cpu.default")
+    else:
+        monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
+        monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated", "AVX2", False))
+        if tierlm_kernels.loaded() is None:
+            pytest.skip("tierlm's AVX2 kernels do not build or load here")
+        ops = ("int8_mm.default", "int4_mm.default")
     linear = random_linear(128, 64)
     x = random_input(128, torch.bfloat16)
-    for module, op in [
-        (Int8Linear.from_linear(linear), "_weight_int8pack_mm.default"),
-        (Int4Linear.from_linear(linear), "_weight_int4pack_mm_for_cpu.default"),
-    ]:
+    for module, op in [(Int8Linear.from_linear(linear), ops[0]), (Int4Linear.from_linear(linear), ops[1])]:
         with OpRecorder() as rec:
             module(x)
         assert op in rec.ops, rec.ops

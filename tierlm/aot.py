@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm import cpu
+from tierlm import cpu, kernels
 from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig
 from tierlm.generation.slots import SlotCache
@@ -96,7 +96,8 @@ def cpu_features() -> dict:
         "native_bf16": f.native_bf16,
         "amx": f.amx,
         "vnni": f.vnni,
-        "avx2_int_kernels": f.avx2_int_kernels,  # int4/int8 products by tierlm's kernels, not aten's
+        # int4/int8 products by tierlm's kernels (selected here and built), not aten's
+        "avx2_int_kernels": kernels.avx2() is not None,
         "vector": vector,
         # AMX kernels need the kernel's permission, which inductor's ISA check asks for and a package never
         # does: ask here (every process computes the key before it loads), and key on whether it was given.

@@ -53,7 +53,7 @@ class CpuFeatures:
             "; GGUF Q4_0/Q4_1 projections stay packed (int4, LM head int8)" if self.keeps_q4_packed else ""
         )
         if self.avx2_int_kernels:
-            packed += "; int4/int8 decode products by tierlm's AVX2 kernels (int8 activations)"
+            packed += "; int4/int8 products by tierlm's AVX2 kernels (int16 activations)"
         if self.widens_bf16_prefill:
             return (
                 "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its "

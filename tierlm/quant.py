@@ -114,7 +114,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # tierlm's AVX2 kernel (kernels.py) where this CPU wants it and the shape suits it
-        self.avx2 = self.in_features % 32 == 0 and self.out_features % 4 == 0 and _avx2_kernels()
+        self.avx2 = (
+            self.in_features % 32 == 0
+            and self.out_features % 4 == 0
+            and weight_int8.device.type in ("cpu", "meta")  # meta: a shell the streamed weights fill
+            and scales.dtype in AVX2_DTYPES
+            and _avx2_kernels()
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
@@ -200,6 +206,7 @@ class Int4Linear(nn.Module):
             and group_size % 32 == 0
             and out_features % 32 == 0
             and scales_and_zeros.dtype in AVX2_DTYPES
+            and weight_int4.device.type in ("cpu", "meta")
             and _avx2_kernels()
         )
 

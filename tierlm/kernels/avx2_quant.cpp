@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -55,17 +56,23 @@ void quantize_rows(const X* x, int64_t m, int64_t k, int16_t* xq, float* d, floa
       _mm256_storeu_ps(a, amax);
       float mx = 0.f;
       for (int i = 0; i < 8; ++i) mx = a[i] > mx ? a[i] : mx;
-      const float scale = mx / QMAX;
-      const float inv = scale != 0.f ? 1.f / scale : 0.f;
-      d[r * nb + b] = scale;
+      float scale = mx / QMAX;
+      if (scale < std::numeric_limits<float>::min()) scale = 0.f;  // x too tiny to scale: zeros
+      const float inv = (scale > 0.f && std::isfinite(scale)) ? 1.f / scale : 0.f;
       int16_t* q = xq + r * k + b * QB;
       float f[QB];
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(t[i], _mm256_set1_ps(inv)));
       int64_t qsum = 0;
+      bool finite = std::isfinite(mx);
       for (int i = 0; i < QB; ++i) {
-        q[i] = static_cast<int16_t>(std::nearbyint(f[i]));
+        finite = finite && !std::isnan(f[i]);
+        const float c = std::isnan(f[i]) ? 0.f : std::fmin(std::fmax(std::nearbyint(f[i]), -QMAX), QMAX);
+        q[i] = static_cast<int16_t>(c);
         qsum += q[i];
       }
+      // a NaN or infinity in the block makes its scale NaN, so every output it reaches is NaN, as with aten
+      if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
+      d[r * nb + b] = scale;
       // the block's sum as the quantized values give it, so that the zero points multiply the same x as
       // the codes do (q being 0..15, the exact sum would leave their share of the rounding unbalanced)
       xs[r * nb + b] = scale * static_cast<float>(qsum);
@@ -104,7 +111,7 @@ void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
   for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nb = k / QB;
   for (int64_t b = 0; b < nb; ++b) {
-    // int32 sums of 16 products of at most 15 * 32767 each: no overflow
+    // int32 lanes summing 32 products of at most 15 * 32767 each (< 2^24: exact as a float too)
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     const int64_t k0 = b * QB;
     for (int line = 0; line < 8; ++line)  // the block's 32 columns are 8 cache lines: fetch PREFETCH ahead
@@ -161,7 +168,7 @@ void int8_rows4(const int8_t* w, int64_t k, const int16_t* xq, const float* d, f
       const int8_t* wr = w + r * k + b * QB;
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr)));
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 16)));
-      // 16 products of at most 128 * 32767 each: an int32 sum
+      // int32 lanes summing 4 products of at most 128 * 32767 each (< 2^24: exact as a float too)
       const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), db, acc[r]);
     }
@@ -174,9 +181,14 @@ struct Quantized {  // x quantized, in buffers reused by the calls of one thread
   std::vector<float> d, s;
 };
 
-Quantized& quantize(const at::Tensor& x) {
-  thread_local Quantized buf;
+// x quantized into `buf`: a thread's reused buffers for decode-sized x, a call's own for large ones (a long
+// prefill's buffers are not kept for the thread's life)
+constexpr int64_t KEEP = 1 << 16;
+
+Quantized& quantize(const at::Tensor& x, Quantized& own) {
+  thread_local Quantized kept;
   const int64_t m = x.size(0), k = x.size(1);
+  Quantized& buf = m * k <= KEEP ? kept : own;
   buf.q.resize(m * k);
   buf.d.resize(m * k / QB);
   buf.s.resize(m * k / QB);
@@ -219,9 +231,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_
               "int4_mm: scales_and_zeros must be contiguous [K/g, N, 2]");
   const int64_t n = sz.size(1);
   TORCH_CHECK(k % QB == 0 && group_size % QB == 0 && n % 32 == 0, "int4_mm: K and the group size must be multiples of 32, N of 32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() * 2 == n * k, "int4_mm: packed weight must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && packed.size(0) == n &&
+                  packed.size(1) * 2 == k,
+              "int4_mm: packed weight must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "int4_mm: scales must be float32 or bfloat16");
-  const Quantized& xq = quantize(x);
+  Quantized own;
+  const Quantized& xq = quantize(x, own);
   at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -259,7 +274,8 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
               "int8_mm: scales must be contiguous float32 or bfloat16 [N]");
   TORCH_CHECK(k % QB == 0 && n % 4 == 0, "int8_mm: K must be a multiple of 32 and N of 4");
-  const Quantized& xq = quantize(x);
+  Quantized own;
+  const Quantized& xq = quantize(x, own);
   at::Tensor out = at::empty({m, n}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
   const bool f32 = x.scalar_type() == at::kFloat;
