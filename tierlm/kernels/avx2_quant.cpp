@@ -209,6 +209,19 @@ void check_x(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
 }
 
+// f(scales, out) with the typed pointers of the two (float32 or bf16 each; `out` has x's dtype)
+template <typename F>
+void with_types(const at::Tensor& scales, at::Tensor& out, F&& f) {
+  const bool f32 = out.scalar_type() == at::kFloat;
+  if (scales.scalar_type() == at::kFloat) {
+    if (f32) f(scales.data_ptr<float>(), out.data_ptr<float>());
+    else f(scales.data_ptr<float>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    if (f32) f(scales.data_ptr<c10::BFloat16>(), out.data_ptr<float>());
+    else f(scales.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  }
+}
+
 template <typename T, typename Y>
 void int4_run(const Quantized& x, int64_t m, int64_t k, const uint8_t* w, const T* sz, int64_t n, int64_t g, Y* o) {
   const int64_t nb = k / QB;
@@ -239,14 +252,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_
   const Quantized& xq = quantize(x, own);
   at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const bool f32 = x.scalar_type() == at::kFloat;
-  if (sz.scalar_type() == at::kFloat) {
-    if (f32) int4_run(xq, m, k, w, sz.data_ptr<float>(), n, group_size, out.data_ptr<float>());
-    else int4_run(xq, m, k, w, sz.data_ptr<float>(), n, group_size, out.data_ptr<c10::BFloat16>());
-  } else {
-    if (f32) int4_run(xq, m, k, w, sz.data_ptr<c10::BFloat16>(), n, group_size, out.data_ptr<float>());
-    else int4_run(xq, m, k, w, sz.data_ptr<c10::BFloat16>(), n, group_size, out.data_ptr<c10::BFloat16>());
-  }
+  with_types(sz, out, [&](auto s, auto o) { int4_run(xq, m, k, w, s, n, group_size, o); });
   return out;
 }
 
@@ -278,14 +284,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   const Quantized& xq = quantize(x, own);
   at::Tensor out = at::empty({m, n}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
-  const bool f32 = x.scalar_type() == at::kFloat;
-  if (scales.scalar_type() == at::kFloat) {
-    if (f32) int8_run(xq, m, k, w, scales.data_ptr<float>(), n, out.data_ptr<float>());
-    else int8_run(xq, m, k, w, scales.data_ptr<float>(), n, out.data_ptr<c10::BFloat16>());
-  } else {
-    if (f32) int8_run(xq, m, k, w, scales.data_ptr<c10::BFloat16>(), n, out.data_ptr<float>());
-    else int8_run(xq, m, k, w, scales.data_ptr<c10::BFloat16>(), n, out.data_ptr<c10::BFloat16>());
-  }
+  with_types(scales, out, [&](auto s, auto o) { int8_run(xq, m, k, w, s, n, o); });
   return out;
 }
 
