@@ -18,6 +18,7 @@ from tierlm.quant import (
     dequantize_int4,
     quantize_decoder,
     quantize_int4,
+    quantize_int8,
 )
 
 # Rounding error of a uniform quantizer is step/sqrt(12). int8 per row: step = max|w|/127, and the max of
@@ -125,6 +126,32 @@ def test_int4_error_against_float_linear_is_bounded(group_size):
     x = random_input(512, torch.bfloat16)
     err = rel_error(Int4Linear.from_linear(linear, group_size)(x), F.linear(x.float(), linear.weight))
     assert err < INT4_REL_ERROR[group_size]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantizing_in_row_chunks_gives_the_one_shot_result(monkeypatch, dtype):
+    """quantize_int8/int4 work QUANTIZE_ROWS rows at a time (so a 262k-row LM head does not peak at 4x its
+    size in fp32 temporaries); the chunks, including a ragged last one, give exactly the one-shot codes and
+    scales of the per-row / per-group formulas."""
+    from tierlm import quant
+
+    torch.manual_seed(0)
+    w = (torch.randn(70, 128) * torch.rand(70, 1) * 3).to(dtype)
+    one_shot8, one_shot4 = quantize_int8(w, dtype), quantize_int4(w, 32, dtype)
+    monkeypatch.setattr(quant, "QUANTIZE_ROWS", 16)  # 4 full chunks and one of 6 rows
+    chunked8, chunked4 = quantize_int8(w, dtype), quantize_int4(w, 32, dtype)
+    for a, b in zip(one_shot8 + one_shot4, chunked8 + chunked4, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # and the one-shot result is the formula's, on the whole matrix at once
+    wf = w.float()
+    scales = (wf.abs().amax(1) / 127).to(dtype)
+    assert torch.equal(one_shot8[1], scales)
+    assert torch.equal(
+        one_shot8[0], torch.round(wf / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    )
+    groups = wf.reshape(70, 4, 32)
+    s4 = ((groups.amax(-1) - groups.amin(-1)) / 15).to(dtype)
+    assert torch.equal(one_shot4[1][..., 0], s4.transpose(0, 1))
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])

@@ -58,12 +58,22 @@ _CUDA_INNER_K_TILES = 8  # tinygemm on CUDA: K must be a multiple of 16 * inner_
 aten = torch.ops.aten
 
 
+QUANTIZE_ROWS = 4096  # rows quantized at a time: fp32 temporaries stay ~10 MB, not 4x the weight (a
+# 262k-row tied LM head would otherwise peak at ~2.7 GB of them)
+
+
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: (codes int8 [N, K], scales [N] in `dtype`), w ~ codes * scales[:, None]."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(dtype).tiny).to(dtype)
-    # Round against the stored (rounded) scales so dequantization is exactly codes * scales.
-    codes = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    weight = weight.detach()
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=dtype, device=weight.device)
+    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        w = weight[rows].float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+        # Round against the stored (rounded) scales so dequantization is exactly codes * scales.
+        codes[rows] = torch.round(w / s.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        scales[rows] = s
     return codes, scales
 
 
@@ -72,13 +82,19 @@ def quantize_int4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise uint4: (codes int32 [N, K] in 0..15, scales_and_zeros [K/g, N, 2] in `dtype`)."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((hi - lo) / 15).clamp(min=torch.finfo(dtype).tiny).to(dtype)
-    zeros = (lo + 8 * scales.float()).to(dtype)  # the value of code 8, the middle of the range
-    q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-    codes = q.clamp(0, 15).to(torch.int32).reshape(n, k)
-    return codes, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    weight = weight.detach()
+    codes = torch.empty((n, k), dtype=torch.int32, device=weight.device)
+    scales_and_zeros = torch.empty((k // group_size, n, 2), dtype=dtype, device=weight.device)
+    for start in range(0, n, QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        w = weight[rows].float().reshape(-1, k // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((hi - lo) / 15).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+        zeros = (lo + 8 * scales.float()).to(dtype)  # the value of code 8, the middle of the range
+        q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+        codes[rows] = q.clamp(0, 15).to(torch.int32).reshape(-1, k)
+        scales_and_zeros[:, rows] = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+    return codes, scales_and_zeros
 
 
 def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
