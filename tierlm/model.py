@@ -161,8 +161,9 @@ def load(
     quantize: "int8" (per channel) or "int4" (groups of `group_size`; default 32 when the GGUF source is
     Q4_0/Q4_1, whose blocks then carry over exactly, else 64) weight-only quantization of every
     projection and the LM head (int4 keeps the head int8); None: float weights; "auto" (the default):
-    "int4" for a GGUF whose projections are Q4_0/Q4_1 blocks when `dtype` is "auto", the forward runs on
-    the CPU and this CPU decodes them faster packed (`tierlm.cpu`), else None.
+    when `dtype` is "auto" and the forward runs on the CPU, "int4" for a GGUF whose projections are
+    Q4_0/Q4_1 blocks and "int8" for one whose projections are other quantized blocks (K-quants, Q5_0,
+    Q8_0 ...), each where this CPU decodes them faster (`tierlm.cpu`), else None.
 
     The load is a LoadPlan (tierlm.plan, from the checkpoint's header) whose steps then run in order
     (tierlm.loading); the model keeps it as `.plan`.

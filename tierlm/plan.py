@@ -136,18 +136,20 @@ def _steps(*applies: bool) -> tuple[str, ...]:
 def _quantization(
     quantize, group_size, dtype, path: Path, device: torch.device, device_map, max_memory, execution_device
 ) -> Quantization | None:
-    """What `quantize` makes of the projections. "auto" (the default): a GGUF's Q4_0/Q4_1 projections stay
-    packed (int4 in the file's own groups of 32, the LM head int8) when the dtype is left to tierlm, the
-    forward runs on the CPU and this CPU decodes them faster packed (`cpu.keeps_q4_packed`); otherwise
-    every weight is float. None: float; "int8" / "int4": as asked."""
+    """What `quantize` makes of the projections. "auto" (the default), when the dtype is left to tierlm and
+    the forward runs on the CPU: a GGUF's Q4_0/Q4_1 projections stay packed (int4 in the file's own groups
+    of 32, the LM head int8) where this CPU decodes them faster packed (`cpu.keeps_q4_packed`); a GGUF's
+    other quantized projections (K-quants, Q5_0, Q8_0 ...) become int8 where this CPU decodes those faster
+    (`cpu.keeps_quantized_as_int8`); otherwise every weight is float. None: float; "int8" / "int4": as
+    asked."""
     if quantize == "auto":
-        packs = (
-            dtype == "auto"
-            and _runs_on_cpu(device, device_map, max_memory, execution_device)
-            and cpu.detect().keeps_q4_packed
-            and gguf_cache.has_q4_projections(path)
-        )
-        quantize = "int4" if packs else None
+        quantize = None
+        if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
+            features = cpu.detect()
+            if features.keeps_q4_packed and gguf_cache.has_q4_projections(path):
+                quantize = "int4"
+            elif features.keeps_quantized_as_int8 and gguf_cache.has_quantized_projections(path):
+                quantize = "int8"
     if quantize is None:
         return None
     return Quantization(quantize, group_size or gguf_cache.default_int4_group(path))
@@ -231,7 +233,8 @@ def describe_plan(path=None, **kwargs) -> str:
         else ""
     )
     if quant and kwargs.get("quantize", "auto") == "auto":
-        weights += ": the GGUF's Q4 blocks kept packed, this CPU's default (--quantize none: float)"
+        kept = "the GGUF's Q4 blocks kept packed" if quant.mode == "int4" else "the GGUF's quantized blocks"
+        weights += f": {kept}, this CPU's default (--quantize none: float)"
     lines = [
         f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, {str(p.dtype)[6:]}{weights})",
         f"execution device: {placement.device}",

@@ -96,19 +96,34 @@ def default_int4_group(path: Path) -> int:
     return 32 if has_q4_projections(path) else 64
 
 
-def has_q4_projections(path: Path) -> bool:
-    """Whether `path` is a GGUF file whose projections are all Q4_0/Q4_1 blocks (int4 with groups of 32 holds
-    them exactly)."""
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def projection_types(path: Path) -> list[str]:
+    """The GGUF type (e.g. "Q4_1", "Q6_K", "F16") of each projection weight of `path`; [] if it is no GGUF."""
     from tierlm.weights.gguf import GGUFCheckpoint
 
     if path.suffix != ".gguf":
-        return False
+        return []
     recorded = source_tensor_types(path)  # when the dequantized cache exists
     if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
         gguf = GGUFCheckpoint(path)
         recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
-    types = [t for n, t in recorded.items() if n.endswith("proj.weight")]
+    return [t for n, t in recorded.items() if n.endswith("proj.weight")]
+
+
+def has_q4_projections(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose projections are all Q4_0/Q4_1 blocks (int4 with groups of 32 holds
+    them exactly)."""
+    types = projection_types(path)
     return bool(types) and all(t in ("Q4_0", "Q4_1") for t in types)
+
+
+def has_quantized_projections(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose projections are all quantized blocks (Q4_0 ... Q8_0, K-quants), none
+    stored as floats: int8 per row then keeps about the file's quality (tierlm.plan)."""
+    types = projection_types(path)
+    return bool(types) and not any(t in FLOAT_TYPES for t in types)
 
 
 # Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template),
