@@ -297,6 +297,11 @@ def run(args, cache_dir: str) -> None:
     if max(args.batches) > 1:
         print(f"batch {max(args.batches)}: {widths[0]}-{widths[-1]} tokens, left-padded; ", end="")
     print(f"{args.new_tokens} new tokens forced, greedy; {machine_load()} at the start")
+    from tierlm.plan import plan
+
+    default = plan(model_file)
+    weights = f"{default.quantization.mode} weights" if default.quantization else "float weights"
+    print(f"tierlm's default here (load() with no options): {str(default.dtype)[6:]}, {weights}, eager")
     if warning:
         print(warning)
     if variants:
