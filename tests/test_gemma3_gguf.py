@@ -178,7 +178,8 @@ def test_k_quant_projections_load_as_int8_where_the_cpu_runs_them_faster(
 
     monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures(*features))
     monkeypatch.setenv("TIERLM_CPU_KERNELS", kernels)
-    assert not gguf_cache.has_q4_projections(gemma_gguf) and gguf_cache.has_quantized_projections(gemma_gguf)
+    types = gguf_cache.projection_types(gemma_gguf)
+    assert not gguf_cache.q4_blocks(types) and gguf_cache.quantized_blocks(types)
     expected = Quantization(mode, 64) if mode else None
     assert plan(gemma_gguf).quantization == expected
     assert plan(gemma_gguf, dtype="bfloat16").quantization is None
@@ -206,8 +207,7 @@ def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
     assert kinds == ({Int8Linear} if int8 else {torch.nn.Linear})
     ppl32, ppl = perplexity(gemma, ids), perplexity(default, ids)
     agreement = top1_agreement(next_token_logits(gemma, ids), next_token_logits(default, ids))
-    print(
-        f"default ({'int8' if int8 else 'float'}): perplexity {ppl:.3f} vs fp32 {ppl32:.3f} ({ppl / ppl32 - 1:+.2%})"
-    )
+    kind = "int8" if int8 else "float"
+    print(f"default ({kind}): perplexity {ppl:.3f} vs fp32 {ppl32:.3f} ({ppl / ppl32 - 1:+.2%})")
     assert abs(ppl / ppl32 - 1) <= 0.01
     assert agreement > 0.75

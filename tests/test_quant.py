@@ -151,7 +151,10 @@ def test_quantizing_in_row_chunks_gives_the_one_shot_result(monkeypatch, dtype):
     )
     groups = wf.reshape(70, 4, 32)
     s4 = ((groups.amax(-1) - groups.amin(-1)) / 15).to(dtype)
-    assert torch.equal(one_shot4[1][..., 0], s4.transpose(0, 1))
+    z4 = (groups.amin(-1) + 8 * s4.float()).to(dtype)
+    assert torch.equal(one_shot4[1], torch.stack([s4, z4], dim=-1).transpose(0, 1))
+    q4 = torch.round((groups - z4.float()[..., None]) / s4.float()[..., None]) + 8
+    assert torch.equal(one_shot4[0], q4.clamp(0, 15).to(torch.int32).reshape(70, 128))
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])

@@ -44,9 +44,10 @@ class CpuFeatures:
     def keeps_quantized_as_int8(self) -> bool:
         """Whether a GGUF's other quantized projections (K-quants, Q5_0, Q8_0 ...) load as int8 per row by
         default rather than widen to bf16: where tierlm's AVX2 kernels run them. Measured on Gemma 3 270M
-        Q4_K_M, eager, batch 1, on a Zen 3 (AVX2): 1.6x bf16's decode and 2.4x its prefill, perplexity +0.35%
-        over fp32 (llama.cpp on the file: +1.05%). aten's int8 product is slower than bf16 on AVX2, and on
-        AVX-512 this default was not measured, so not chosen there."""
+        Q4_K_M, eager, on a Zen 3 (AVX2): 1.45x bf16's decode and 1.7x its prefill at batch 1, 2.9x its
+        decode at batch 8; perplexity +0.35% over fp32 (bf16 -0.34%, llama.cpp on the file +1.05%). aten's
+        int8 product is slower than bf16 on AVX2; on an AVX-512 Xeon (aten's kernels) int8 was faster at
+        batch 1 but slower at batch 8, so not chosen there."""
         return self.avx2_int_kernels
 
     @property

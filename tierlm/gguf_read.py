@@ -55,12 +55,16 @@ class _LocatingReader(GGUFReader):
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         """gguf's parts of one metadata value, with arrays of numbers read as one array (one part) and
         arrays of strings without a call per element into the generic reader: a 262k-token vocabulary's
-        three arrays otherwise take seconds. The parts still cover the value's bytes exactly."""
+        three arrays otherwise take seconds. The parts still cover the value's bytes exactly. Unlike gguf's
+        own fields, an array of numbers has one data index (its whole array), so gguf's
+        `ReaderField.contents()` does not read them: `metadata()` does."""
         if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
         alen = self._get(orig_offs + 4, np.uint64)
         itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        if count == 0:  # gguf's reader accepts an empty array of any element type, known or not
+            return super()._get_field_parts(orig_offs, raw_type)
         types = [GGUFValueType.ARRAY, GGUFValueType(itype)]
         nptype = self.gguf_scalar_to_np.get(types[1])
         if nptype is not None:

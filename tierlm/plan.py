@@ -3,6 +3,7 @@ read). `load()` executes one (tierlm.loading); `tierlm plan` prints one (`descri
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,17 +143,18 @@ def _quantization(
     other quantized projections (K-quants, Q5_0, Q8_0 ...) become int8 where this CPU decodes those faster
     (`cpu.keeps_quantized_as_int8`); otherwise every weight is float. None: float; "int8" / "int4": as
     asked."""
+    types = functools.cache(lambda: gguf_cache.projection_types(path))  # at most one read of the header
     if quantize == "auto":
         quantize = None
         if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
             features = cpu.detect()
-            if features.keeps_q4_packed and gguf_cache.has_q4_projections(path):
+            if features.keeps_q4_packed and gguf_cache.q4_blocks(types()):
                 quantize = "int4"
-            elif features.keeps_quantized_as_int8 and gguf_cache.has_quantized_projections(path):
+            elif features.keeps_quantized_as_int8 and gguf_cache.quantized_blocks(types()):
                 quantize = "int8"
     if quantize is None:
         return None
-    return Quantization(quantize, group_size or gguf_cache.default_int4_group(path))
+    return Quantization(quantize, group_size or gguf_cache.default_int4_group(types()))
 
 
 def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device) -> bool:

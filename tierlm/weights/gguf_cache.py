@@ -91,9 +91,10 @@ def source_tensor_types(gguf_path: Path) -> dict[str, str]:
         return {}
 
 
-def default_int4_group(path: Path) -> int:
-    """32 when the projections come from Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is exact), else 64."""
-    return 32 if has_q4_projections(path) else 64
+def default_int4_group(types: list[str]) -> int:
+    """32 when the projections (their `projection_types`) are Q4_0/Q4_1 GGUF blocks (32 wide: requantizing is
+    exact), else 64."""
+    return 32 if q4_blocks(types) else 64
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -112,17 +113,15 @@ def projection_types(path: Path) -> list[str]:
     return [t for n, t in recorded.items() if n.endswith("proj.weight")]
 
 
-def has_q4_projections(path: Path) -> bool:
-    """Whether `path` is a GGUF file whose projections are all Q4_0/Q4_1 blocks (int4 with groups of 32 holds
-    them exactly)."""
-    types = projection_types(path)
+def q4_blocks(types: list[str]) -> bool:
+    """Whether these projection types (`projection_types`) are all Q4_0/Q4_1 blocks (int4 with groups of 32
+    holds them exactly)."""
     return bool(types) and all(t in ("Q4_0", "Q4_1") for t in types)
 
 
-def has_quantized_projections(path: Path) -> bool:
-    """Whether `path` is a GGUF file whose projections are all quantized blocks (Q4_0 ... Q8_0, K-quants), none
-    stored as floats: int8 per row then keeps about the file's quality (tierlm.plan)."""
-    types = projection_types(path)
+def quantized_blocks(types: list[str]) -> bool:
+    """Whether these projection types are all quantized blocks (Q4_0 ... Q8_0, K-quants), none stored as
+    floats: int8 per row then keeps about the file's quality (tierlm.plan)."""
     return bool(types) and not any(t in FLOAT_TYPES for t in types)
 
 
