@@ -103,7 +103,7 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     )
     if cc.scope == "model" and device.type == "cpu":
         what += "; a cold whole-model compile takes minutes on a CPU"
-    return CompiledStep(compiled, cache, freezing, cc.scope == "model", what, own)
+    return CompiledStep(compiled, cache, freezing, True, what, own)
 
 
 def _own_code(fn):
@@ -135,10 +135,14 @@ class CompiledStep:
     The first call traces and compiles. Dynamo reads inductor's `freezing` flag while tracing (to make
     the weights graph attributes that inductor folds and prepacks); options given to torch.compile only
     reach inductor, so the flag is set around that call (under _TRACING), else nothing would be frozen.
-    Later calls of a whole-model step skip dynamo's guard evaluation (~0.8 ms a step for ~300 weight
-    guards): the step is built for one cache and one (batch, length), its inputs keep their shapes and
-    dtypes, and inductor still asserts each input's size and stride. `length` is not read: the step
-    always attends over the whole cache.
+    Later calls skip dynamo's guard evaluation but for the guards that tell its compiled entries apart:
+    the step is built for one cache and one (batch, length), its inputs keep their shapes and dtypes, and
+    inductor still asserts each input's size and stride. A whole-model step saves ~0.8 ms a step (~300
+    weight guards); a layer body is called once per layer, so it saves a guard evaluation per layer (~7%
+    of an offloaded int4 step on a Zen 3). Its first call ran every layer with full guards, so every layer
+    kind it meets (sliding or full attention, resident fused or streamed unfused projections, another
+    step's batch shape) has its entry by then, and the entries' differing guards still pick among them.
+    `length` is not read: the step always attends over the whole cache.
     """
 
     def __init__(self, compiled, cache, freezing: bool, skip_guards: bool, what: str, own=None) -> None:
@@ -158,7 +162,7 @@ class CompiledStep:
         if self.skip_guards:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return self.compiled(tokens, positions, slots)
-        return self.compiled(tokens, positions, slots)  # a layer body: never frozen, guards kept
+        return self.compiled(tokens, positions, slots)
 
     def _trace(self, tokens, positions, slots):
         inductor_config = torch._inductor.config
