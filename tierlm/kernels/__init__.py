@@ -11,8 +11,8 @@ model quantized for aten's kernels runs on them unchanged. They are used where
 at 1 row; at 743 rows 1.3x faster for 3072 x 576, 0.85x for 576 x 1536).
 
 The C++ is compiled once per machine with torch's extension builder (the C++ compiler inductor already
-needs, and ninja, a dependency) into `<cache>/kernels/<digest>` ($TIERLM_KERNELS_DIR instead of `<cache>/kernels` if set), ~20 s; a machine where
-that fails keeps aten's kernels and says why once.
+needs, and ninja, a dependency) into `<cache>/kernels/<digest>` ($TIERLM_KERNELS_DIR instead of
+`<cache>/kernels` if set), ~20 s; a machine where that fails keeps aten's kernels and says why once.
 """
 
 from __future__ import annotations
