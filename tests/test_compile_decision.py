@@ -55,6 +55,17 @@ def test_all_on_gpu_compiles_in_reduce_overhead_mode():
     assert CompileConfig(scope="layer").resolved_mode("cpu") == "default"
 
 
+def test_cpp_wrapper_defaults_on_for_a_cpu_layer_body_only():
+    def wrapper(cc, device):
+        return cc.compile_kwargs(device)["options"]["cpp_wrapper"]
+
+    assert wrapper(CompileConfig(scope="layer"), "cpu") is True  # one call per layer per step
+    assert wrapper(CompileConfig(), "cpu") is False
+    assert wrapper(CompileConfig(scope="layer"), "cuda:0") is False
+    assert wrapper(CompileConfig(scope="layer", cpp_wrapper=False), "cpu") is False  # the caller's word
+    assert wrapper(CompileConfig(cpp_wrapper=True), "cpu") is True
+
+
 def test_all_cpu_with_compile_config_compiles():
     all_cpu = dict.fromkeys(SEED_MAP, "cpu")
     assert decide(all_cpu, "static", STATIC.replace(compile_config=CompileConfig())).compile
