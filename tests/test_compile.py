@@ -245,6 +245,17 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
         assert with_region.token_ids == run(model, n=6).token_ids
 
 
+def test_whole_step_with_a_cpp_wrapper_inlines_the_attention(tiny_checkpoints):
+    """inductor's C++ wrapper cannot call a nested compile region, so a whole step with cpp_wrapper=True
+    inlines each layer's decode attention (it failed with "codegen invoke_subgraph is not implemented")."""
+    torch._dynamo.reset()
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    eager = run(model, n=8)
+    out = run(model, n=8, compile_config=CompileConfig(cpp_wrapper=True))
+    assert out.stats.compile.compile and out.token_ids == eager.token_ids
+    assert not any(layer.self_attn.region for layer in model.decoder.model.layers)
+
+
 def weak_capture():
     """A fresh dynamo and a backend that runs each graph as traced, keeping a weak reference to it."""
     torch._dynamo.reset()

@@ -76,8 +76,12 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     kwargs = cc.compile_kwargs(str(device))
     decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(str(device)))
     # A CPU whole step compiles its layers' decode attention once (halves a cold compile; CUDA steps and
-    # AOT packages keep one graph: neither was measured with nested regions)
-    decoder.attention_regions(cc.scope == "model" and device.type == "cpu")
+    # AOT packages keep one graph: neither was measured with nested regions), unless it has a C++ wrapper,
+    # which cannot call a nested region (inductor: "codegen invoke_subgraph is not implemented")
+    regions = (
+        cc.scope == "model" and device.type == "cpu" and not kwargs.get("options", {}).get("cpp_wrapper")
+    )
+    decoder.attention_regions(regions)
     layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
     if layer_fn is not None and streamer is not None and streamer.streams_layers():
         decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all
