@@ -29,15 +29,17 @@ class CompileConfig:
     mode None means "reduce-overhead" on CUDA for scope "model" ("default" for scope "layer", which CUDA
     graphs cannot serve); on CPU "max-autotune-no-cudagraphs" for scope "model" (inductor's C++ GEMM
     kernels on frozen, prepacked weights: 120 tok/s bf16 on the default model against 57 with mode
-    "default", for a ~2 min compile instead of ~50 s; see DESIGN.md) and "default" for scope "layer". freezing None means on for CPU (weights become graph constants and are prepacked;
-    only scope "model" freezes, and only resident models get it, so no streamed weight is ever frozen).
+    "default", for a ~2 min compile instead of ~50 s; see DESIGN.md) and "default" for scope "layer".
+    freezing None means on for CPU (weights become graph constants and are prepacked; only scope "model"
+    freezes, and only resident models get it, so no streamed weight is ever frozen).
     cpp_wrapper (inductor's C++ wrapper instead of its Python one) trims per-call overhead at the cost of
-    compile time; None means on for scope "layer" on the CPU, whose body is called once per layer per step
-    (int4 layer-compiled decode of the default model 46.0 -> 50.6 tok/s, every layer streamed from disk 1.55x
-    -> 1.72x its eager decode, interleaved on a Zen 3), off otherwise. scope "model" compiles the whole decode
-    step (one graph, fastest, long cold compile);
-    "layer" compiles one layer body that every layer reuses (~15 s cold compile; weights are inputs, so it
-    never freezes); it is what compiles under offload, where the streamed weights arrive as those inputs.
+    compile time; None means on for scope "layer" on the CPU, whose body is called once per layer per
+    step (int4 layer-compiled decode of the default model 46.0 -> 50.6 tok/s, every layer streamed from
+    disk 1.55x -> 1.72x its eager decode, interleaved on a Zen 3), off otherwise (a whole step with it:
+    74.5 against 63.4 tok/s at int4 there, but a 158 s cold compile against 27 s).
+    scope "model" compiles the whole decode step (one graph, fastest, long cold compile); "layer" compiles
+    one layer body that every layer reuses (~15 s cold compile; weights are inputs, so it never freezes);
+    it is what compiles under offload, where the streamed weights arrive as those inputs.
     """
 
     fullgraph: bool = True

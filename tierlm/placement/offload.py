@@ -4,8 +4,9 @@ A unit is a module mapped to "cpu" (while an accelerator executes) or to "disk".
 source: pinned CPU tensors, or tensors memory-mapped from a safetensors file. While unit i runs, a
 background thread already faults unit i+1's pages in (or copies it on a side CUDA stream); the order wraps
 around, so the last unit of one step prefetches the first unit of the next. Pages faulted in once stay
-(unless a RAM budget drops them after use) and are used in place on a CPU, with no thread involved. Eager forwards stream through module hooks; a compiled
-layer body streams through `around_layers`, which does the same fetch and release outside the compiled code.
+(unless a RAM budget drops them after use) and are used in place on a CPU, with no thread involved. Eager
+forwards stream through module hooks; a compiled layer body streams through `around_layers`, which does
+the same fetch and release outside the compiled code.
 """
 
 from __future__ import annotations
