@@ -54,14 +54,20 @@ def test_cache_list_shows_each_entry_with_its_size_and_the_total(cache, tiny_che
     (gguf,) = [line for line in lines if " gguf/" in line and ".tmp-" not in line]
     weights = next((root / "gguf").iterdir()) / "weights-float32.safetensors"
     assert f"tiny.gguf: weights float32 ({format_bytes(weights.stat().st_size)})" in gguf
-    (offload,) = [line for line in lines if " offload/" in line and ".tmp-" not in line]
+    offload, fused = sorted(
+        (line for line in lines if " offload/" in line and ".tmp-" not in line),
+        key=lambda line: "fused" in line,
+    )
     assert "bfloat16 weights of" in offload and str(tiny_checkpoints["llama"]) in offload
+    assert (
+        "bfloat16 fused projections of streamed layers: 2 groups" in fused
+    )  # the disk layer's q/k/v, gate/up
     assert any(" inductor " in line and "5.0 KB" in line for line in lines)
     (killed,) = [line for line in lines if os.path.basename(dead_tmp) in line]
     assert "which is gone" in killed
     (writing,) = [line for line in lines if os.path.basename(live_tmp) in line]
     assert f"being written by process {live_pid}" in writing
-    assert lines[-1].startswith(f"total: {format_bytes(tree_size(root))} in 5 entries (1 left by killed")
+    assert lines[-1].startswith(f"total: {format_bytes(tree_size(root))} in 6 entries (1 left by killed")
 
 
 def test_cache_clear_stale_removes_only_what_killed_writers_left(cache):
@@ -81,8 +87,8 @@ def test_cache_clear_removes_everything_but_a_live_writers_temporary(cache):
     root, dead_tmp, live_tmp, _ = cache
     proc = tierlm_cli("cache", "clear", cache=str(root))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith("tierlm: removed 4 entries (")
-    assert sum(line.startswith("tierlm: removing ") for line in proc.stderr.splitlines()) == 4
+    assert proc.stderr.splitlines()[-1].startswith("tierlm: removed 5 entries (")
+    assert sum(line.startswith("tierlm: removing ") for line in proc.stderr.splitlines()) == 5
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     assert left == [os.path.relpath(live_tmp, root)]
     listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()

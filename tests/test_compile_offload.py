@@ -171,7 +171,6 @@ def test_default_model_half_on_disk(tmp_path):
     n = 8
     torch._dynamo.reset()
     resident = tierlm.load()
-    resident.decoder.unfuse_projections()  # the streamed layers' layout (fp32 tiny tests compare fused too)
     ref = greedy(resident, ids, max_new_tokens=n, min_new_tokens=n, compile_config=LAYER)
     model = tierlm.load(device_map=DEFAULT_HALF_ON_DISK, offload_folder=tmp_path)
     torch._dynamo.reset()
@@ -179,6 +178,9 @@ def test_default_model_half_on_disk(tmp_path):
     out = greedy(model, ids, max_new_tokens=n, min_new_tokens=n, compile_config=LAYER)
     assert counters["stats"]["unique_graphs"] == 1  # 30 layers, one body
     assert counters["inductor"]["fxgraph_cache_hit"] == 1  # the resident step's very code
+    layers = model.decoder.model.layers  # streamed layers fused from the fused offload file, as resident ones
+    assert layers[20].self_attn.fused is not None and layers[20].mlp.fused is not None
+    assert model.decoder.uniformly_fused()
     assert_greedy_agrees(ref, out, str(model.dtype).removeprefix("torch."))
     assert model.streamer.fetches == 16 * n and model.streamer.prefetched == 16 * n - 1
     assert out.tokens and resident.dtype == model.dtype

@@ -99,7 +99,7 @@ def test_load_runs_the_plan_it_reports(tiny_checkpoints, tmp_path, monkeypatch, 
     expected = plan(path, **kwargs)
     assert model.plan == expected
     assert tuple(ran) == expected.steps and list(expected.steps) == [s for s in STEP_ORDER if s in ran]
-    assert _fused(model) == {module for module, _ in expected.fusion}
+    assert _fused(model) == {module for module, _ in expected.fusion + expected.streamed_fusion}
     params = dict(model.decoder.named_parameters(remove_duplicate=False))
     transposed = {n for n, p in params.items() if not p.is_meta and p.dim() == 2 and not p.is_contiguous()}
     assert transposed == {n for n in expected.transposed if not params[n].is_meta}

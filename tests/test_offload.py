@@ -110,6 +110,54 @@ def test_auto_map_with_small_budget_goes_to_disk(tmp_path):
     assert budget_only.device_map == model.device_map
 
 
+def _fused_owners(model) -> set[str]:
+    return {n for n, m in model.decoder.named_modules() if getattr(m, "fused", None) is not None}
+
+
+def _main_tensor(module) -> torch.Tensor:
+    """A projection's weight: float, int8 codes or packed int4."""
+    for name in ("weight_int4", "weight_int8", "weight"):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AssertionError(f"no weight on {module}")
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
+def test_streamed_projections_fuse_from_a_file_like_resident_ones(tiny_checkpoints, mode, tmp_path):
+    """On a CPU, disk layers fuse q/k/v and gate/up as resident layers do: the fused tensors are
+    memory-mapped from a file written once beside the offload folders, each projection a view of its rows
+    there; tokens agree with the resident model's; a second load maps the same file, not a new one."""
+    from tierlm.weights.files import file_mappings
+
+    path = tiny_checkpoints["llama"]
+    load = (
+        dict(dtype="bfloat16") if mode == "bfloat16" else dict(dtype="bfloat16", quantize=mode, group_size=32)
+    )
+    resident = tierlm.load(path, **load)
+    model = tierlm.load(path, **load, device_map=ALL_BUT_EMBED_ON_DISK, offload_folder=tmp_path)
+    owners = _fused_owners(model)
+    assert owners == _fused_owners(resident) and owners  # int4: k/v of 32 rows leave attention unfused
+    maps = [(a, b, p) for a, b, _, p in file_mappings() if p.parent.name.endswith("-fused")]
+    assert owners == {name for name, _ in model.plan.streamed_fusion}  # what the plan says, no more
+    for name, projections in model.plan.streamed_fusion:
+        owner = model.decoder.get_submodule(name)
+        fused = owner.fused
+        held = _main_tensor(fused.packed) if fused.packed is not None else fused.weight
+        address = held.data_ptr()
+        assert any(a <= address < b and p.parent.parent == tmp_path for a, b, p in maps), name
+        for part in projections:
+            view = _main_tensor(getattr(owner, part))
+            assert view.untyped_storage().data_ptr() == held.untyped_storage().data_ptr(), name
+    streamed = run(model)
+    assert_greedy_agrees(run(resident), streamed, mode)
+    assert model.streamer.fetches > 0 and model.streamer.prefetched > 0
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith("-fused")]
+    stamp = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    again = tierlm.load(path, **load, device_map=ALL_BUT_EMBED_ON_DISK, offload_folder=tmp_path)
+    assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == stamp  # reused, not rewritten
+    assert tokens(again) == streamed.tokens  # the same file, the same kernels: exact
+
+
 def test_resolved_map_has_hf_shape(tiny_checkpoints):
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32", device_map=HALF_ON_DISK)
     assert model.device_map == {
@@ -131,7 +179,8 @@ def test_disk_offload_reads_checkpoint_files_when_dtype_and_layout_match(tiny_ch
     assert manifest["tensors"] == manifest["transposed"] == wide
     bf16 = tmp_path / "bf16"
     tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16", device_map=HALF_ON_DISK, offload_folder=bf16)
-    (manifest,) = [json.loads(p.read_text()) for p in bf16.glob("*/manifest.json")]
+    # (beside it, bf16's fused q/k/v and gate/up: test_streamed_projections_fuse_from_a_file_like_resident_ones)
+    (manifest,) = [json.loads(p.read_text()) for p in bf16.glob("*/manifest.json") if "-fused" not in str(p)]
     assert manifest["transposed"] == [] and "model.layers.1.mlp.down_proj.weight" in manifest["tensors"]
 
 
@@ -158,7 +207,7 @@ def test_offload_folder_is_reused_and_rebuilt_on_dtype_change(tiny_checkpoints, 
     path = tiny_checkpoints["llama"]
     kw = dict(device_map=HALF_ON_DISK, offload_folder=tmp_path)
     first = tierlm.load(path, dtype="bfloat16", **kw)
-    (written,) = list(tmp_path.iterdir())
+    (written,) = [p for p in tmp_path.iterdir() if not p.name.endswith("-fused")]
     weights = written / "weights.safetensors"
     stamp = weights.stat().st_mtime_ns
     bf16_run = run(first)

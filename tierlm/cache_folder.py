@@ -1,7 +1,7 @@
 """What tierlm keeps in its cache folder (gguf_cache.cache_root()): the entries, their sizes, removing them.
 
 The folder holds gguf/<key>/ (dequantized GGUF weights per dtype and the tokenizer), offload/<key>/ (disk
-offloaded weights converted to the compute dtype or packed int8/int4), aot/<key>/ (compiled decode steps
+offloaded weights converted to the compute dtype or packed int8/int4, or streamed layers' fused projections), aot/<key>/ (compiled decode steps
 built ahead of time, tierlm.aot), inductor/ (compiled kernels), kernels/ (tierlm's own C++ kernels, built
 once per machine: tierlm.kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
@@ -94,12 +94,17 @@ def _describe_gguf(folder: Path) -> str:
 
 
 def _describe_offload(folder: Path) -> str:
-    """ "bfloat16 weights of 9 tensors from /models/x" or "int8 packed units: model.layers.1"."""
+    """ "bfloat16 weights of 9 tensors from /models/x", "int8 packed units: model.layers.1" or "bfloat16 fused
+    projections of streamed layers: 4 groups"."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return "incomplete (no manifest): rebuilt on next use"
     dtype = str(manifest.get("dtype", "?")).removeprefix("torch.")
+    if "groups" in manifest:  # tierlm.placement.fused
+        quant = manifest.get("quantization")
+        kind = f"{quant[0]} packed {dtype}" if quant else dtype
+        return f"{kind} fused projections of streamed layers: {len(manifest['groups'])} groups"
     if "mode" in manifest:
         return f"{manifest['mode']} packed {dtype} units: {', '.join(manifest.get('units', []))}"
     source = f" from {manifest['source']}" if "source" in manifest else ""

@@ -113,6 +113,8 @@ def stream_step(plan: LoadPlan, loading: Loading) -> None:
     units.sort(key=lambda u: order[u.name])
     if plan.quantization is not None:
         units = _packed_units(plan, decoder, checkpoint, units, params)
+    if plan.streamed_fusion:
+        units = _fused_units(plan, decoder, checkpoint, units, params)
     loading.streamer = Streamer(decoder, units, placement.device, placement.drop_disk_pages)
 
 
@@ -142,6 +144,18 @@ def _packed_units(
     identity = {"checkpoint": key, "dtype": str(plan.dtype)}
     packed: Path = plan.offload_folder / f"{key}-{mode}-g{group}-{placement.device.type}"
     return quantize_units(decoder, units, mode, group, plan.dtype, placement.device, packed, identity)
+
+
+def _fused_units(plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit], params: dict) -> list[Unit]:
+    from tierlm.placement.fused import fuse_units
+
+    names = sorted(n for n in params if plan.placement.tier_of(n) == "disk")
+    identity = {
+        "checkpoint": offload_key(checkpoint, names),
+        "dtype": str(plan.dtype),
+        "quantization": list(plan.quantization) if plan.quantization else None,
+    }
+    return fuse_units(decoder, units, plan.streamed_fusion, plan.offload_folder, identity)
 
 
 STEPS: dict[str, Callable[[LoadPlan, Loading], None]] = {

@@ -66,6 +66,9 @@ class LoadPlan:
     offload_folder: Path
     decision: CompileDecision  # for a generate call with `cache` and `compile` as planned
     steps: tuple[str, ...]  # from STEP_ORDER, in that order
+    # groups of `fusion`'s kind inside disk units run in place on a CPU: fused by the `stream` step, the fused
+    # weights written to a file (tierlm.placement.fused)
+    streamed_fusion: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def plan(
@@ -100,6 +103,7 @@ def plan(
     if transposes_wide_weights(target, placement.device, quant.mode if quant else None):
         transposed = frozenset(wide_weight_names(probe, tied))
     fusion = _fusion(probe, placement, quant, target, transposed)
+    streamed_fusion = _fusion(probe, placement, quant, target, transposed, streamed=True)
     widen = target == torch.bfloat16 and placement.device.type == "cpu" and cpu.detect().widens_bf16_prefill
     return LoadPlan(
         path=path,
@@ -118,6 +122,7 @@ def plan(
         offload_folder=Path(offload_folder) if offload_folder else gguf_cache.cache_root() / "offload",
         decision=_decision(placement, cache, compile, cfg.num_layers),
         steps=_steps(widen, quant is not None, bool(transposed), not placement.resident, bool(fusion)),
+        streamed_fusion=streamed_fusion,
     )
 
 
@@ -181,22 +186,27 @@ def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch
 
 
 def _fusion(
-    probe: Decoder, placement: Placement, quant, dtype, transposed
+    probe: Decoder, placement: Placement, quant, dtype, transposed, streamed: bool = False
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Per resident layer, each FUSED_PROJECTIONS group whose projections all get the same kernel: all float,
     all int8, or all int4 on the CPU with rows in multiples of 64 (tierlm.quant's `fuse`). None at all with
-    a transposed layout (fusing would change its sums between placements); offloaded units never fuse."""
-    if transposed:
+    a transposed layout (fusing would change its sums between placements). streamed: instead the groups
+    wholly inside one disk unit of a CPU forward (used in place from memory-mapped files, so a fused weight
+    can be one more file); other offloaded units never fuse."""
+    if transposed or (streamed and placement.device.type != "cpu"):
         return ()
     offloaded = placement.offloaded["cpu"] + placement.offloaded["disk"]
     table = []
     for i in range(len(probe.model.layers)):
         layer = f"model.layers.{i}"
-        if any(under(layer, u) or under(u, layer) for u in offloaded):
-            continue
+        touched = any(under(layer, u) or under(u, layer) for u in offloaded)
         for parent, parts in FUSED_PROJECTIONS.items():
             module = f"{layer}.{parent}"
             names = [f"{module}.{p}" for p in parts]
+            if streamed and not _in_one_disk_unit(names, placement):
+                continue
+            if not streamed and touched:
+                continue
             kinds = {_kernel(probe, n, quant, dtype, placement.device) for n in names}
             rows = [probe.get_submodule(n).weight.shape[0] for n in names]
             if len(kinds) == 1 and (
@@ -204,6 +214,20 @@ def _fusion(
             ):
                 table.append((module, parts))
     return tuple(table)
+
+
+def _in_one_disk_unit(names: list[str], placement: Placement) -> bool:
+    """Whether the weights of the projections `names` all stream from disk in one unit (the most specific
+    offloaded module holding each is the same disk unit)."""
+    offloaded = placement.offloaded["cpu"] + placement.offloaded["disk"]
+    units = set()
+    for name in names:
+        weight = f"{name}.weight"
+        owners = [u for u in offloaded if under(weight, u)]
+        if placement.tier_of(weight) != "disk" or not owners:
+            return False
+        units.add(max(owners, key=len))
+    return len(units) == 1 and units <= set(placement.offloaded["disk"])
 
 
 def _kernel(probe: Decoder, name: str, quant: Quantization | None, dtype, device: torch.device) -> str:

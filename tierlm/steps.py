@@ -84,7 +84,8 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     decoder.attention_regions(regions)
     layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
     if layer_fn is not None and streamer is not None and streamer.streams_layers():
-        decoder.unfuse_projections()  # resident layers shaped like streamed ones: one body for all
+        if not decoder.uniformly_fused():
+            decoder.unfuse_projections()  # every layer shaped alike: one body for all
         for layer in decoder.model.layers:
             canonical_strides(layer)
         layer_fn = streamer.around_layers(layer_fn)  # fetch/release outside the compiled body

@@ -58,6 +58,11 @@ class Decoder(nn.Module):
             owner = self.get_submodule(module)
             owner.fused = fuse_projections(*(getattr(owner, p) for p in parts))
 
+    def uniformly_fused(self) -> bool:
+        """Whether every layer has the same projections fused (so one compiled layer body serves them all)."""
+        kinds = {(layer.self_attn.fused is None, layer.mlp.fused is None) for layer in self.model.layers}
+        return len(kinds) == 1
+
     def unfuse_projections(self) -> None:
         """Run every layer on its separate projections (views of the fused weights), as offloaded layers do."""
         for layer in self.model.layers:

@@ -1,0 +1,103 @@
+"""Streamed units whose projections are fused as resident layers' are (q/k/v, gate/up as one product).
+
+On a CPU a disk unit's weights are used in place, memory-mapped, so a fused weight has to be one tensor in
+a file. For each group of a plan's `streamed_fusion` the projections are fused as `Decoder.fuse` fuses a
+resident layer's (`models.layers.fuse_projections`: float weights concatenated, packed int8/int4 rows by
+their own `fuse`), the fused tensors are written once, 64-byte aligned, to a folder beside the offload
+folders (one file per unit; atomically; reused while the checkpoint, dtype, quantization and groups
+match) and memory-mapped back, and each projection's tensors become views of its rows there. A unit's
+streamed bytes are then the fused file's rows (int4 scales and zeros, whose rows are not contiguous, stay
+each projection's own, as on a resident layer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierlm.models.layers import fuse_projections
+from tierlm.module_names import under
+from tierlm.placement.offload import Unit, _assign
+from tierlm.placement.quantized import _mmap_all, write_aligned
+from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder, identity_key
+
+
+def fuse_units(decoder: nn.Module, units: list[Unit], table: tuple, root: Path, identity: dict) -> list[Unit]:
+    """`units` with each group of `table` inside a disk unit fused, its fused tensors memory-mapped from
+    <root>/<key>-fused/<unit>.safetensors (written when missing or stale)."""
+    want = {**identity, "groups": [[m, list(p)] for m, p in table]}
+    folder = root / f"{identity_key([json.dumps(want, sort_keys=True)])}-fused"
+    reuse = folder_matches(folder, want)
+    tmp = None if reuse else fresh_tmp_folder(folder)
+    out = []
+    for unit in units:
+        groups = [(m, p) for m, p in table if unit.tier == "disk" and under(m, unit.name)]
+        if not groups:
+            out.append(unit)
+            continue
+        module = decoder.get_submodule(unit.name)
+        _assign(module, unit.sources)
+        fused = {}  # relative owner name -> (owner module, FusedProjections with tensors in RAM)
+        for name, parts in groups:
+            owner = decoder.get_submodule(name)
+            projection = fuse_projections(*(getattr(owner, p) for p in parts))
+            if projection is None:  # a kind whose `fuse` declines: stays separate, as when resident
+                continue
+            fused[name[len(unit.name) + 1 :] if name != unit.name else ""] = (owner, projection)
+        if not fused:
+            out.append(unit)
+            continue
+        tensors = {f"{_join(rel, 'fused')}.{n}": t for rel, (_, f) in fused.items() for n, t in _held(f)}
+        file = (tmp if tmp is not None else folder) / f"{unit.name}.safetensors"
+        if tmp is not None:
+            write_aligned(file, {k: t.contiguous() for k, t in tensors.items()})
+        mapped = _mmap_all(file)
+        sources = dict(unit.sources)
+        for rel, (owner, f) in fused.items():
+            prefix = f"{_join(rel, 'fused')}."
+            _rebind(
+                owner, f, {n[len(prefix) :]: mapped[n] for n in mapped if n.startswith(prefix)}, rel, sources
+            )
+            owner.fused = f
+        out.append(Unit(unit.name, unit.tier, sources))
+    if tmp is not None:
+        commit_folder(tmp, folder, want)
+    return out
+
+
+def _join(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+def _held(f) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a FusedProjections multiplies by, by name: float weight and bias, or a packed module's."""
+    if f.packed is not None:
+        return [(n, t.detach()) for n, t in [*f.packed.named_buffers(), *f.packed.named_parameters()]]
+    return [(n, t) for n, t in (("weight", f.weight), ("bias", f.bias)) if t is not None]
+
+
+def _rebind(owner: nn.Module, f, mapped: dict[str, torch.Tensor], rel: str, sources: dict) -> None:
+    """Point `f` at its memory-mapped tensors, and every tensor of `owner`'s projections that is a view of one
+    of f's in-RAM tensors at the same view of the mapped one (in `sources` too, under its name there)."""
+    held = dict(_held(f))
+    by_storage = {t.untyped_storage().data_ptr(): (t, mapped[n]) for n, t in held.items()}
+    for child_name, child in owner.named_children():
+        for leaf, t in [*child.named_buffers(recurse=False), *child.named_parameters(recurse=False)]:
+            hit = by_storage.get(t.untyped_storage().data_ptr())
+            if hit is None:
+                continue
+            base, target = hit
+            view = target.as_strided(
+                t.shape, t.stride(), target.storage_offset() + t.storage_offset() - base.storage_offset()
+            )
+            _assign(child, {leaf: view})
+            key = _join(_join(rel, child_name), leaf)
+            if key in sources:
+                sources[key] = view
+    if f.packed is not None:
+        _assign(f.packed, mapped)
+    else:
+        f.weight, f.bias = mapped["weight"], mapped.get("bias")
