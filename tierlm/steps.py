@@ -146,7 +146,7 @@ class CompiledStep:
     weight guards); a layer body is called once per layer, so it saves a guard evaluation per layer (on a
     Zen 3, resident layer-compiled decode went from 45 to 49 tok/s int4; streamed layers, whose fetches
     dominate, within noise). Its first call ran every layer with full guards, so every layer
-    kind it meets (sliding or full attention, resident fused or streamed unfused projections, another
+    kind it meets (sliding or full attention, fused or separate projections, another
     step's batch shape) has its entry by then, and the entries' differing guards still pick among them.
     `length` is not read: the step always attends over the whole cache.
     """

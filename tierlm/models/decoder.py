@@ -64,7 +64,8 @@ class Decoder(nn.Module):
         return len(kinds) == 1
 
     def unfuse_projections(self) -> None:
-        """Run every layer on its separate projections (views of the fused weights), as offloaded layers do."""
+        """Run every layer on its separate projections (views of the fused weights), as streamed layers that
+        could not fuse do (a cpu-tier unit, a CUDA forward, a group split between units)."""
         for layer in self.model.layers:
             layer.self_attn.fused = None
             layer.mlp.fused = None

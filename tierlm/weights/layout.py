@@ -8,7 +8,7 @@ through `.T`): on this project's machine the fused gate/up weights of the defaul
 
 The layout changes the order of the sums, so every placement of a model uses the same one: resident and
 cpu-tier weights are transposed in RAM, disk-tier ones are read from an offload folder that stores them
-transposed, and projections are not fused (offloaded units never are).
+transposed, and projections are not fused (in any tier).
 """
 
 from __future__ import annotations
