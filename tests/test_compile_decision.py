@@ -62,6 +62,7 @@ def test_cpp_wrapper_defaults_on_for_a_cpu_layer_body_only():
     assert wrapper(CompileConfig(scope="layer"), "cpu") is True  # one call per layer per step
     assert wrapper(CompileConfig(), "cpu") is False
     assert wrapper(CompileConfig(scope="layer"), "cuda:0") is False
+    assert wrapper(CompileConfig(scope="layer"), "mps") is False
     assert wrapper(CompileConfig(scope="layer", cpp_wrapper=False), "cpu") is False  # the caller's word
     assert wrapper(CompileConfig(cpp_wrapper=True), "cpu") is True
 

@@ -122,14 +122,17 @@ def _main_tensor(module) -> torch.Tensor:
     raise AssertionError(f"no weight on {module}")
 
 
-@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
-def test_streamed_projections_fuse_from_a_file_like_resident_ones(tiny_checkpoints, mode, tmp_path):
+@pytest.mark.parametrize(
+    "family, mode", [("llama", "bfloat16"), ("qwen2", "bfloat16"), ("llama", "int8"), ("llama", "int4")]
+)
+def test_streamed_projections_fuse_from_a_file_like_resident_ones(tiny_checkpoints, family, mode, tmp_path):
     """On a CPU, disk layers fuse q/k/v and gate/up as resident layers do: the fused tensors are
     memory-mapped from a file written once beside the offload folders, each projection a view of its rows
-    there; tokens agree with the resident model's; a second load maps the same file, not a new one."""
+    there (qwen2: the q/k/v biases too); tokens agree with the resident model's; pages already mapped are
+    used in place, with no prefetch left pending; a second load maps the same file, not a new one."""
     from tierlm.weights.files import file_mappings
 
-    path = tiny_checkpoints["llama"]
+    path = tiny_checkpoints[family]
     load = (
         dict(dtype="bfloat16") if mode == "bfloat16" else dict(dtype="bfloat16", quantize=mode, group_size=32)
     )
@@ -148,14 +151,56 @@ def test_streamed_projections_fuse_from_a_file_like_resident_ones(tiny_checkpoin
         for part in projections:
             view = _main_tensor(getattr(owner, part))
             assert view.untyped_storage().data_ptr() == held.untyped_storage().data_ptr(), name
+            if family == "qwen2" and name.endswith("self_attn"):
+                bias = getattr(owner, part).bias
+                assert bias.untyped_storage().data_ptr() == fused.bias.untyped_storage().data_ptr()
     streamed = run(model)
     assert_greedy_agrees(run(resident), streamed, mode)
-    assert model.streamer.fetches > 0 and model.streamer.prefetched > 0
+    assert model.streamer.fetches > 0 and model.streamer.prefetched == model.streamer.fetches - 1
+    assert not model.streamer.pending  # every unit mapped since the first step: no thread woken for nothing
     (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith("-fused")]
     stamp = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
     again = tierlm.load(path, **load, device_map=ALL_BUT_EMBED_ON_DISK, offload_folder=tmp_path)
     assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == stamp  # reused, not rewritten
     assert tokens(again) == streamed.tokens  # the same file, the same kernels: exact
+
+
+def test_fused_streamed_layers_drop_their_pages_under_a_ram_budget(tiny_checkpoints, monkeypatch, tmp_path):
+    """With a budget, every page a fused disk layer's forward reads is dropped after use, the fused int4
+    scales and zeros (which no projection views) included."""
+    from tierlm.placement.offload import Streamer
+
+    dropped = set()
+    real = Streamer._drop_pages
+    monkeypatch.setattr(Streamer, "_drop_pages", lambda self, t: (dropped.add(t.data_ptr()), real(self, t)))
+    path = tiny_checkpoints["llama"]
+    load = dict(dtype="bfloat16", quantize="int4", group_size=32)
+    model = tierlm.load(path, **load, device_map=ALL_BUT_EMBED_ON_DISK, offload_folder=tmp_path)
+    assert model.plan.streamed_fusion
+    model.streamer.drop_disk_pages = (
+        True  # what a max_memory budget sets (test_auto_map_with_small_budget_...)
+    )
+    assert_greedy_agrees(run(tierlm.load(path, **load)), run(model), "int4")
+    for name, _ in model.plan.streamed_fusion:
+        packed = model.decoder.get_submodule(name).fused.packed
+        assert packed.weight_int4.data_ptr() in dropped and packed.scales_and_zeros.data_ptr() in dropped
+
+
+def test_streamed_layers_stay_unfused_where_the_fused_file_cannot_be_written(
+    tiny_checkpoints, monkeypatch, tmp_path
+):
+    import tierlm.placement.fused as fused
+
+    def full_disk(file, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fused, "write_aligned", full_disk)
+    path = tiny_checkpoints["llama"]
+    with pytest.warns(UserWarning, match="streamed layers stay unfused .*No space left on device"):
+        model = tierlm.load(path, dtype="bfloat16", device_map=ALL_BUT_EMBED_ON_DISK, offload_folder=tmp_path)
+    assert model.plan.streamed_fusion and not _fused_owners(model)
+    assert not [p for p in tmp_path.iterdir() if "-fused" in p.name]  # no half-written folder left
+    assert_greedy_agrees(run(tierlm.load(path, dtype="bfloat16")), run(model), "bfloat16")
 
 
 def test_resolved_map_has_hf_shape(tiny_checkpoints):

@@ -86,7 +86,7 @@ class CompileConfig:
     def resolved_cpp_wrapper(self, device: str) -> bool:
         if self.cpp_wrapper is not None:
             return self.cpp_wrapper
-        return self.scope == "layer" and not device.startswith("cuda")
+        return self.scope == "layer" and device.startswith("cpu")
 
     def compile_kwargs(self, device: str) -> dict[str, Any]:
         """Keyword arguments for torch.compile: inductor options carry the mode (both cannot be passed)."""

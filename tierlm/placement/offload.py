@@ -32,6 +32,9 @@ class Unit:
     name: str
     tier: str  # "cpu" or "disk"
     sources: dict[str, torch.Tensor]  # parameter name relative to the module -> source tensor
+    # memory-mapped tensors the unit's forward reads that no parameter holds (a fused product's own, e.g.
+    # int4 scales concatenated): faulted in and dropped with the sources
+    extra: tuple[torch.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +115,7 @@ class Streamer:
             # Fault the pages in once; they stay mapped unless dropped after use (a RAM budget) or
             # reclaimed by the kernel (then the forward faults them in itself). Re-populating mapped
             # pages every token would only walk page tables on a core the forward needs.
-            populate(unit.sources.values())
+            populate([*unit.sources.values(), *unit.extra])
             self.mapped.add(i)
         if self.device.type == "cpu" and unit.tier == "disk":
             return unit.sources, None  # memory-mapped weights are used in place
@@ -162,7 +165,7 @@ class Streamer:
             _assign(module, unit.sources)  # the device copies go; the sources stay
         if unit.tier == "disk" and self.drop_disk_pages:
             self.mapped.discard(i)
-            for t in unit.sources.values():
+            for t in [*unit.sources.values(), *unit.extra]:
                 self._drop_pages(t)
 
     def _drop_pages(self, t: torch.Tensor) -> None:
