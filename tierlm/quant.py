@@ -258,7 +258,7 @@ class Int4Linear(nn.Module):
         row-major [N, K/2] (CUDA's tinygemm tiles rows and columns together), and only for parts of a
         multiple of 64 rows, so that a layout packed in blocks of rows would concatenate too. Each part keeps a
         view of its packed rows; the scales and zeros ([K/g, N, 2], whose row slices are not contiguous) are
-        concatenated, and each part keeps its own (1/64 of the packed bytes at group 32)."""
+        concatenated, and each part keeps its own (8/g of the packed bytes: 1/4 at group 32, in bf16)."""
         first = parts[0]
         same = {(p.in_features, p.group_size, p.scales_and_zeros.dtype, p.bias is None) for p in parts}
         if (
