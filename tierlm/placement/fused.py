@@ -25,7 +25,7 @@ from torch import nn
 from tierlm.models.layers import fuse_projections
 from tierlm.module_names import under
 from tierlm.placement.offload import Unit, _assign
-from tierlm.placement.quantized import _mmap_all, write_aligned
+from tierlm.placement.quantized import _join, _mmap_all, _tensors_of, write_aligned
 from tierlm.weights.files import (
     commit_folder,
     folder_matches,
@@ -102,14 +102,10 @@ def _fuse_unit(decoder, unit: Unit, table: tuple, folder: Path, write: bool, don
     return Unit(unit.name, unit.tier, sources, tuple(mapped.values()))
 
 
-def _join(prefix: str, leaf: str) -> str:
-    return f"{prefix}.{leaf}" if prefix else leaf
-
-
 def _held(f) -> list[tuple[str, torch.Tensor]]:
     """The tensors a FusedProjections multiplies by, by name: float weight and bias, or a packed module's."""
     if f.packed is not None:
-        return [(n, t.detach()) for n, t in [*f.packed.named_buffers(), *f.packed.named_parameters()]]
+        return list(_tensors_of(f.packed, "").items())
     return [(n, t) for n, t in (("weight", f.weight), ("bias", f.bias)) if t is not None]
 
 
