@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 import tierlm
 import tierlm.compile
 from tierlm import CompileConfig, CompileSkippedWarning, GenerationConfig
+from tierlm.steps import LayerBody
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
 LONGER = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
@@ -68,6 +69,59 @@ def test_layer_scope_compiles_one_body_for_all_layers(tiny_checkpoints):
     assert CompileConfig(scope="layer").compile_kwargs("cpu")["options"]["freezing"] is False
 
 
+@pytest.fixture
+def layer_bodies(monkeypatch):
+    """The LayerBody objects the steps built during a test build (tierlm.steps)."""
+    bodies = []
+    init = LayerBody.__init__
+    monkeypatch.setattr(LayerBody, "__init__", lambda self, kw: bodies.append(self) or init(self, kw))
+    return bodies
+
+
+def test_a_compiled_layer_body_is_called_without_dynamo(tiny_checkpoints, layer_bodies):
+    """Once the layer body is compiled, every layer calls the compiled graph directly with its own tensors
+    (tierlm.steps.LayerBody): dynamo is not called again, and the tokens are those of the same graphs
+    called through dynamo."""
+    model = tierlm.load(tiny_checkpoints["qwen3"], dtype="float32")
+    cc = CompileConfig(scope="layer")
+    first = run(model, n=12, compile_config=cc)
+    (body,) = layer_bodies
+    assert len(body.direct) == 1 and all(body.direct.values())  # one layer structure, called directly
+    calls = []
+    dynamo = body.dynamo
+    body.dynamo = lambda *args: calls.append(1) or dynamo(*args)
+    direct = run(model, LONGER, n=7, compile_config=cc)
+    assert calls == [] and run(model, n=12, compile_config=cc).token_ids == first.token_ids
+    body.direct = dict.fromkeys(body.direct)  # every call through dynamo's path, to the same graph
+    through_dynamo = run(model, LONGER, n=7, compile_config=cc)
+    assert len(calls) == 6 * model.config.num_layers  # 6 decode steps (the first token is the prefill's)
+    assert direct.token_ids == through_dynamo.token_ids == run(model, LONGER, n=7).token_ids
+
+
+_OFFSET = torch.ones(8)  # a tensor a layer reads from its module's globals
+
+
+class _GlobalReadingLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def forward(self, x, rope, mask, cache_view, slots):
+        return x @ self.weight + _OFFSET
+
+
+def test_a_layer_body_whose_graph_reads_other_tensors_stays_on_dynamo(layer_bodies):
+    """A graph input that is neither the layer's tensor nor an argument's cannot be passed directly: that
+    layer structure keeps dynamo's path, with the right result."""
+    body = LayerBody(CompileConfig(scope="layer", cpp_wrapper=False).compile_kwargs("cpu"))
+    layer, x = _GlobalReadingLayer(), torch.randn(1, 8)
+    with torch.inference_mode():
+        out = [body(layer, x, None, None, None, None, None) for _ in range(2)]
+    assert list(body.direct.values()) == [None]
+    for o in out:
+        torch.testing.assert_close(o, x @ layer.weight + _OFFSET)
+
+
 def test_decode_step_is_one_graph_without_breaks(tiny_checkpoints):
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     ones = torch.ones(1, 1, dtype=torch.bool)
@@ -117,7 +171,8 @@ def test_freezing_is_never_used_for_an_offloaded_model(tiny_checkpoints, monkeyp
     )
     with pytest.warns(CompileSkippedWarning):
         run(model, compile_config=CompileConfig(freezing=True, mode="max-autotune-no-cudagraphs"))
-    assert len(calls) == 1 and calls[0]["options"]["freezing"] is False  # the layer body: weights are inputs
+    # the layer body (its inductor options are its backend's: tierlm.steps.LayerBody): weights are inputs
+    assert len(calls) == 1 and calls[0]["backend"].config["freezing"] is False
     resident = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     run(resident, compile_config=CompileConfig(freezing=True))
     assert len(calls) == 2 and calls[1]["options"]["freezing"] is True

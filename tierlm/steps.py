@@ -8,6 +8,7 @@ taken for each other. Steps packaged ahead of time (tierlm.aot) are loaded here 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -82,7 +83,8 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
         cc.scope == "model" and device.type == "cpu" and not kwargs.get("options", {}).get("cpp_wrapper")
     )
     decoder.attention_regions(regions)
-    layer_fn = torch.compile(run_layer, **kwargs) if cc.scope == "layer" else None
+    body = LayerBody(kwargs) if cc.scope == "layer" else None
+    layer_fn = body
     if layer_fn is not None and streamer is not None and streamer.streams_layers():
         if not decoder.uniformly_fused():
             decoder.unfuse_projections()  # every layer shaped alike: one body for all
@@ -99,8 +101,8 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
 
     if cc.scope == "model" and device.type == "cuda":
         _static_addresses(cache)
-    own = None if cc.scope == "layer" else _own_code(decode_step)
-    compiled = decode_step if own is None else torch.compile(own, **kwargs)
+    own = body.code_fn if body is not None else _own_code(decode_step)
+    compiled = decode_step if body is not None else torch.compile(own, **kwargs)
     freezing = bool(kwargs.get("options", {}).get("freezing"))
     what = (
         f"the decode step (scope {cc.scope}, mode {cc.resolved_mode(str(device))}, "
@@ -117,13 +119,137 @@ def _own_code(fn):
     batch, cache length or model) adds one more entry to one shared list, dynamo's recompile limit (8)
     makes the ninth step in a process an error (fullgraph), each call searches the list, and a dropped
     step's graph (with its frozen weights) would stay alive with the code. With its own code object a
-    step's graphs are its alone, and CompiledStep frees them when it goes. (A layer-scope step compiles
-    `run_layer` itself, shared by all of them: a second shape recompiles it with dynamic shapes.)"""
+    step's graphs are its alone, and CompiledStep frees them when it goes. A layer-scope step's body
+    (LayerBody) has a code object of its own too."""
     own = types.FunctionType(
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
     own.__qualname__ = fn.__qualname__
     return own
+
+
+class LayerBody:
+    """One compiled layer body of a layer-scope step: body(layer, x, cos, sin, mask, cache_view, slots).
+
+    Compiled with torch.compile like a whole step, with a code object of its own (`_own_code`), so that
+    inductor is called for this step's graphs and hands them over. Once a graph is compiled, later calls of
+    layers shaped alike call it directly with the layer's tensors, without dynamo: the body runs once per
+    layer per token, and dynamo's Python around each call (its frame hook, dispatch-key and
+    eval-frame state, the disabled-frame wrappers) cost ~40-70 us a call on a 2-core Zen 3, more than
+    some layers' compute. What a direct call passes is what the graph was traced with, found by
+    identity: each graph input is a tensor the first call's layer holds (at a fixed attribute path, the
+    same in every layer of that structure) or one of its arguments (or an attribute of one, the cache
+    view's tensors). A layer's structure (its tensors' paths, shapes and dtypes) and the arguments'
+    shapes key the direct calls; anything a graph reads from elsewhere, a non-tensor input or a graph
+    with other outputs than the layer's result keeps that key on dynamo's path, as does a structure
+    whose first call found a graph dynamo already had (no compile to learn from)."""
+
+    def __init__(self, compile_kwargs: dict) -> None:
+        kwargs = dict(compile_kwargs)
+        backend = kwargs.pop("backend")
+        options = kwargs.pop("options", None)
+        if backend == "inductor":
+            backend = _RecordingInductor(options or {}, kwargs.get("dynamic"), self._compiled)
+        elif options:
+            kwargs["options"] = options
+        self.code_fn = _own_code(run_layer)
+        self.code = self.code_fn.__code__
+        self.dynamo = torch.compile(self.code_fn, backend=backend, **kwargs)
+        self.direct: dict[tuple, tuple | None] = {}  # key -> (graph, getters), None: dynamo's path
+        self.structures: dict[int, tuple] = {}  # id(layer) -> its structure (`_structure`)
+        self.tracing: tuple | None = None  # (key, layer, args) of the call dynamo is running
+
+    def __call__(self, layer, *args):
+        structure = self.structures.get(id(layer))
+        if structure is None:
+            structure = self.structures[id(layer)] = _structure(layer)
+        key = (structure, tuple(getattr(a, "shape", None) for a in args))
+        found = self.direct.get(key, False)
+        if found:
+            graph, getters = found
+            return graph(*[get(layer, args) for get in getters])[0]
+        if found is None:
+            return self.dynamo(layer, *args)
+        self.direct[key] = None  # until a graph compiled in this call says otherwise
+        self.tracing = (key, layer, args)
+        try:
+            return self.dynamo(layer, *args)
+        finally:
+            self.tracing = None
+
+    def _compiled(self, gm, example_inputs, graph) -> None:
+        """Inductor compiled `graph` from `gm` during the call in self.tracing: learn how to call it."""
+        if self.tracing is None:
+            return
+        key, layer, args = self.tracing
+        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1):
+            return
+        found = {id(t): get for t, get in _tensors(layer, args)}
+        getters = []
+        for example in example_inputs:
+            get = found.get(id(example)) if isinstance(example, torch.Tensor) else None
+            if get is None:
+                return
+            getters.append(get)
+        self.direct[key] = (graph, getters)
+
+
+class _RecordingInductor(torch._TorchCompileInductorWrapper):
+    """torch.compile's inductor backend, telling `on_compile(gm, example_inputs, compiled)` what it built."""
+
+    def __init__(self, options: dict, dynamic, on_compile) -> None:
+        super().__init__(None, options, dynamic)
+        self.on_compile = on_compile
+
+    def __call__(self, model_, inputs_, **kwargs):
+        compiled = super().__call__(model_, inputs_, **kwargs)
+        self.on_compile(model_, inputs_, compiled)
+        return compiled
+
+
+def _structure(layer) -> tuple:
+    """A layer's tensors' attribute paths, shapes and dtypes, and its class, as a hashable key."""
+    return (type(layer), *((path, tuple(t.shape), t.dtype) for path, t in _module_tensors(layer, "")))
+
+
+def _module_tensors(obj, prefix: str, seen: set[int] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(dotted attribute path, tensor) for every tensor `obj` holds: an nn.Module's parameters, buffers and
+    tensor attributes, its submodules', and those of tierlm objects it holds (a FusedProjections), each
+    object once."""
+    seen = set() if seen is None else seen
+    seen.add(id(obj))
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.nn.Module):
+        names = {**obj._parameters, **obj._buffers, **obj._modules}
+        names.update((k, v) for k, v in vars(obj).items() if not k.startswith("_"))
+    else:
+        names = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    for name, value in names.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, torch.Tensor):
+            out.append((path, value))
+        elif id(value) in seen or not hasattr(value, "__dict__"):
+            continue
+        elif isinstance(value, torch.nn.Module) or type(value).__module__.startswith("tierlm."):
+            out.extend(_module_tensors(value, path + ".", seen))
+    return out
+
+
+def _tensors(layer, args) -> list[tuple[torch.Tensor, object]]:
+    """(tensor, getter(layer, args) -> that tensor) for every tensor a layer call can pass to its graph."""
+    out = []
+    for path, t in _module_tensors(layer, ""):
+        get = operator.attrgetter(path)
+        out.append((t, lambda layer, args, get=get: get(layer)))
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            out.append((a, lambda layer, args, i=i: args[i]))
+        elif hasattr(a, "__dict__"):
+            for path, t in _module_tensors(a, ""):
+                get = operator.attrgetter(path)
+                out.append((t, lambda layer, args, i=i, get=get: get(args[i])))
+    return out
 
 
 def _static_addresses(cache) -> None:
@@ -143,11 +269,9 @@ class CompiledStep:
     Later calls skip dynamo's guard evaluation but for the guards that tell its compiled entries apart:
     the step is built for one cache and one (batch, length), its inputs keep their shapes and dtypes, and
     inductor still asserts each input's size and stride. A whole-model step saves ~0.8 ms a step (~300
-    weight guards); a layer body is called once per layer, so it saves a guard evaluation per layer (on a
-    Zen 3, resident layer-compiled decode went from 45 to 49 tok/s int4; streamed layers, whose fetches
-    dominate, within noise). Its first call ran every layer with full guards, so every layer
-    kind it meets (sliding or full attention, fused or separate projections, another
-    step's batch shape) has its entry by then, and the entries' differing guards still pick among them.
+    weight guards). A layer body's calls skip dynamo altogether once compiled (LayerBody); its first call
+    ran every layer through dynamo with full guards, so every layer kind it meets (sliding or full
+    attention, fused or separate projections) has its graph by then.
     `length` is not read: the step always attends over the whole cache.
     """
 
@@ -155,7 +279,7 @@ class CompiledStep:
         self.compiled, self.cache = compiled, cache
         self.freezing, self.skip_guards, self.what = freezing, skip_guards, what
         self.traced = False
-        if own is not None:  # a whole step's function, with a code object of its own (_own_code)
+        if own is not None:  # a function with a code object of its own (_own_code): a step's or its body's
             # Dynamo keeps the graphs on the code object, where the garbage collector does not reach
             # them: when this step is gone (dropped with its cache, and no generation holds it any
             # more), its code's entries are reset, which frees its graphs and their frozen weights
