@@ -86,7 +86,8 @@ def test_a_compiled_layer_body_is_called_without_dynamo(tiny_checkpoints, layer_
     cc = CompileConfig(scope="layer")
     first = run(model, n=12, compile_config=cc)
     (body,) = layer_bodies
-    assert len(body.direct) == 1 and all(body.direct.values())  # one layer structure, called directly
+    assert len(body.graphs) == 1 and all(body.graphs)  # one graph, called directly by every layer:
+    assert len(body.direct) == model.config.num_layers and all(body.direct.values())
     calls = []
     dynamo = body.dynamo
     body.dynamo = lambda *args: calls.append(1) or dynamo(*args)
@@ -96,6 +97,48 @@ def test_a_compiled_layer_body_is_called_without_dynamo(tiny_checkpoints, layer_
     through_dynamo = run(model, LONGER, n=7, compile_config=cc)
     assert len(calls) == 6 * model.config.num_layers  # 6 decode steps (the first token is the prefill's)
     assert direct.token_ids == through_dynamo.token_ids == run(model, LONGER, n=7).token_ids
+
+
+def test_streamed_layers_call_the_compiled_body_directly(tiny_checkpoints, layer_bodies):
+    """Layers streamed from disk (their weights put on the module around each call) are called directly
+    with the weights they hold at that call: the resident eager tokens (fp32)."""
+    resident = run(tierlm.load(tiny_checkpoints["llama"], dtype="float32"), n=10)
+    model = tierlm.load(
+        tiny_checkpoints["llama"], dtype="float32", device_map={"": "cpu", "model.layers.1": "disk"}
+    )
+    streamed = run(model, n=10, compile_config=CompileConfig(scope="layer"))
+    (body,) = layer_bodies
+    assert all(body.direct.values()) and model.streamer.fetches > 0
+    assert streamed.token_ids == resident.token_ids
+
+
+def test_frozen_layer_weights_are_never_called_directly(tiny_checkpoints, layer_bodies):
+    """A layer graph with its weights frozen into it (freezing asked for in the options) serves that one
+    layer: the body keeps dynamo's path (which tells the layers apart), and the eager tokens."""
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    frozen = CompileConfig(scope="layer", cpp_wrapper=False, options={"freezing": True})
+    result = run(model, n=10, compile_config=frozen)
+    (body,) = layer_bodies
+    layers = model.config.num_layers  # a graph per layer (dynamo guards on the frozen weights), none direct
+    assert len(body.graphs) == layers and not any(body.graphs) and not any(body.direct.values())
+    assert result.token_ids == run(model, n=10).token_ids
+
+
+def test_a_dropped_layer_step_frees_its_body(tiny_checkpoints, monkeypatch):
+    """A layer-scope step the model lets go (newer cache shapes) takes its body and graphs with it."""
+    bodies = []
+    init = LayerBody.__init__
+    monkeypatch.setattr(
+        LayerBody, "__init__", lambda self, kw: bodies.append(weakref.ref(self)) or init(self, kw)
+    )
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    cc = CompileConfig(scope="layer", cpp_wrapper=False)
+    run(model, n=2, max_cache_len=32, compile_config=cc)
+    assert bodies[0]() is not None and all(bodies[0]().direct.values())
+    for length in (40, 48, 56, 64):  # four newer caches: the model lets the first one go
+        run(model, n=2, max_cache_len=length, compile_config=cc)
+    gc.collect()
+    assert bodies[0]() is None and bodies[-1]() is not None
 
 
 _OFFSET = torch.ones(8)  # a tensor a layer reads from its module's globals
@@ -120,6 +163,28 @@ def test_a_layer_body_whose_graph_reads_other_tensors_stays_on_dynamo(layer_bodi
     assert list(body.direct.values()) == [None]
     for o in out:
         torch.testing.assert_close(o, x @ layer.weight + _OFFSET)
+
+
+class _BrokenLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def forward(self, x, rope, mask, cache_view, slots):
+        y = x @ self.weight
+        torch._dynamo.graph_break()
+        return y.relu() @ self.weight
+
+
+def test_a_layer_body_with_a_graph_break_stays_on_dynamo(layer_bodies):
+    """Two graphs for one layer (fullgraph off and a break): neither is the layer, so dynamo's path stays."""
+    body = LayerBody(CompileConfig(scope="layer", cpp_wrapper=False, fullgraph=False).compile_kwargs("cpu"))
+    layer, x = _BrokenLayer(), torch.randn(1, 8)
+    with torch.inference_mode():
+        out = [body(layer, x, None, None, None, None, None) for _ in range(2)]
+    assert list(body.direct.values()) == [None]
+    for o in out:
+        torch.testing.assert_close(o, (x @ layer.weight).relu() @ layer.weight)
 
 
 def test_decode_step_is_one_graph_without_breaks(tiny_checkpoints):

@@ -218,9 +218,9 @@ def test_resident_model_compiles_with_the_ring_cache(models, scope, monkeypatch)
     assert compiled.stats.compile.compile
     assert compiled.token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] == (2 if scope == "layer" else 1)
-    if scope == "layer":  # sliding and full layers: two argument shapes, each with its graph
+    if scope == "layer":  # sliding and full layers: a graph each, every layer calling its own directly
         (body,) = bodies
-        assert len(body.direct) == 2 and all(body.direct.values())
+        assert len(body.graphs) == 2 and all(body.graphs) and all(body.direct.values())
 
 
 def test_plan_shows_the_window_in_kv_bytes(checkpoints):

@@ -7,6 +7,7 @@ taken for each other. Steps packaged ahead of time (tierlm.aot) are loaded here 
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -132,94 +133,149 @@ class LayerBody:
     """One compiled layer body of a layer-scope step: body(layer, x, cos, sin, mask, cache_view, slots).
 
     Compiled with torch.compile like a whole step, with a code object of its own (`_own_code`), so that
-    inductor is called for this step's graphs and hands them over. Once a graph is compiled, later calls of
-    layers shaped alike call it directly with the layer's tensors, without dynamo: the body runs once per
-    layer per token, and dynamo's Python around each call (its frame hook, dispatch-key and
-    eval-frame state, the disabled-frame wrappers) cost ~40-70 us a call on a 2-core Zen 3, more than
-    some layers' compute. What a direct call passes is what the graph was traced with, found by
-    identity: each graph input is a tensor the first call's layer holds (at a fixed attribute path, the
-    same in every layer of that structure) or one of its arguments (or an attribute of one, the cache
-    view's tensors). A layer's structure (its tensors' paths, shapes and dtypes) and the arguments'
-    shapes key the direct calls; anything a graph reads from elsewhere, a non-tensor input or a graph
-    with other outputs than the layer's result keeps that key on dynamo's path, as does a structure
-    whose first call found a graph dynamo already had (no compile to learn from)."""
+    inductor is called for this step's graphs and reports them. Once a graph is compiled, later calls of
+    layers alike call it directly with the layer's tensors, without dynamo: the body runs once per layer
+    per token, and dynamo's Python around each call (its frame hook, dispatch-key and eval-frame state,
+    the disabled-frame wrappers) costs ~40-70 us a call on a 2-core Zen 3, more than some layers' compute.
+
+    What a direct call passes is what the graph was traced with, found by identity: each graph input is a
+    tensor the first call's layer holds (at an attribute path, the same in every layer alike) or one of its
+    arguments (or an attribute of one: the cache view's tensors). "Alike" is the key: the layer's class,
+    its tensors' paths, shapes and dtypes and its plain attributes (flags, eps, window), and the same of
+    every argument (a cache view's class, ring size and tensors). A key stays on dynamo's path where its
+    first call did not compile exactly one graph (a graph break, or a graph dynamo already had), or where
+    the graph has another input (a global tensor, a symbolic size), holds tensors of its own (weights
+    frozen into it) or returns more than the layer's result."""
 
     def __init__(self, compile_kwargs: dict) -> None:
         kwargs = dict(compile_kwargs)
         backend = kwargs.pop("backend")
         options = kwargs.pop("options", None)
         if backend == "inductor":
-            backend = _RecordingInductor(options or {}, kwargs.get("dynamic"), self._compiled)
+            backend = _RecordingInductor(options or {}, kwargs.get("dynamic"), self)
         elif options:
             kwargs["options"] = options
         self.code_fn = _own_code(run_layer)
-        self.code = self.code_fn.__code__
         self.dynamo = torch.compile(self.code_fn, backend=backend, **kwargs)
-        self.direct: dict[tuple, tuple | None] = {}  # key -> (graph, getters), None: dynamo's path
-        self.structures: dict[int, tuple] = {}  # id(layer) -> its structure (`_structure`)
-        self.tracing: tuple | None = None  # (key, layer, args) of the call dynamo is running
+        self.direct: dict[tuple, tuple | None] = {}  # key -> (graph, getters); None: dynamo's path
+        self.kinds: dict[tuple, int] = {}  # a structure (`_structure`) -> a small number standing for it
+        self.kind_of: dict[int, int] = {}  # id(layer or cache view) -> its kind (they outlive the step)
+        self.graphs: list[tuple | None] = []  # each compiled graph's direct call, by number (None: none)
+        self.reports: list[tuple] | None = None  # the graphs compiled during the call dynamo is running
+        self.used: list[int] = []  # the graphs (by number) dynamo ran during that call
 
     def __call__(self, layer, *args):
-        structure = self.structures.get(id(layer))
-        if structure is None:
-            structure = self.structures[id(layer)] = _structure(layer)
-        key = (structure, tuple(getattr(a, "shape", None) for a in args))
+        key = (self._kind(layer), *[self._arg_key(a) for a in args])
         found = self.direct.get(key, False)
         if found:
             graph, getters = found
             return graph(*[get(layer, args) for get in getters])[0]
         if found is None:
             return self.dynamo(layer, *args)
-        self.direct[key] = None  # until a graph compiled in this call says otherwise
-        self.tracing = (key, layer, args)
-        try:
-            return self.dynamo(layer, *args)
+        self.direct[key], self.reports, self.used = None, [], []
+        try:  # with every guard: the graph dynamo picks here is the one this kind of layer gets
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):
+                out = self.dynamo(layer, *args)
+            for gm, example_inputs, graph in self.reports:
+                try:
+                    self.graphs.append(_direct_call(gm, example_inputs, graph, layer, args))
+                except Exception:  # whatever it was, dynamo's path stays right
+                    log.debug("layer body: no direct call for a graph", exc_info=True)
+                    self.graphs.append(None)
+            # Dynamo ran one graph for the whole layer, by its guards right for this layer: call it
+            # directly from now on (its getters are attribute paths, the same in every layer it fits)
+            if len(self.used) == 1 and len(self.reports) <= 1:
+                self.direct[key] = self.graphs[self.used[0]]
+            return out
         finally:
-            self.tracing = None
+            self.reports = None
 
-    def _compiled(self, gm, example_inputs, graph) -> None:
-        """Inductor compiled `graph` from `gm` during the call in self.tracing: learn how to call it."""
-        if self.tracing is None:
-            return
-        key, layer, args = self.tracing
-        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-        if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1):
-            return
-        found = {id(t): get for t, get in _tensors(layer, args)}
-        getters = []
-        for example in example_inputs:
-            get = found.get(id(example)) if isinstance(example, torch.Tensor) else None
-            if get is None:
-                return
-            getters.append(get)
-        self.direct[key] = (graph, getters)
+    def _arg_key(self, a):
+        if isinstance(a, torch.Tensor):
+            return a.shape, a.dtype, a.device
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return type(a), a
+        return self._kind(a)  # a cache view: the same object at every step
+
+    def _kind(self, obj) -> int:
+        kind = self.kind_of.get(id(obj))
+        if kind is None:
+            kind = self.kind_of[id(obj)] = self.kinds.setdefault(_structure(obj), len(self.kinds))
+        return kind
+
+    def _report(self, gm, example_inputs, graph):
+        """Inductor compiled `graph` from `gm`: its number, for `_ran`, or None outside a first call."""
+        if self.reports is None:
+            return None
+        self.reports.append((gm, example_inputs, graph))
+        return len(self.graphs) + len(self.reports) - 1
+
+    def _ran(self, number: int) -> None:
+        self.used.append(number)
+
+
+def _direct_call(gm, example_inputs, graph, layer, args) -> tuple | None:
+    """(graph, getters) to call `graph` directly with a layer's tensors, or None where it cannot be."""
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1):
+        return None
+    if any(node.op == "get_attr" for node in gm.graph.nodes):  # tensors of its own: frozen weights
+        return None
+    found = {id(t): get for t, get in _tensors(layer, args)}
+    getters = []
+    for example in example_inputs:
+        get = found.get(id(example)) if isinstance(example, torch.Tensor) else None
+        if get is None:
+            return None
+        getters.append(get)
+    return graph, getters
 
 
 class _RecordingInductor(torch._TorchCompileInductorWrapper):
-    """torch.compile's inductor backend, telling `on_compile(gm, example_inputs, compiled)` what it built."""
+    """torch.compile's inductor backend, reporting each graph it built to its LayerBody (held weakly:
+    torch.compile keeps its backends in a process-wide table), which also learns when dynamo runs it."""
 
-    def __init__(self, options: dict, dynamic, on_compile) -> None:
+    def __init__(self, options: dict, dynamic, body: LayerBody) -> None:
         super().__init__(None, options, dynamic)
-        self.on_compile = on_compile
+        self.body = weakref.ref(body)
 
     def __call__(self, model_, inputs_, **kwargs):
         compiled = super().__call__(model_, inputs_, **kwargs)
-        self.on_compile(model_, inputs_, compiled)
-        return compiled
+        body = self.body()
+        number = None if body is None else body._report(model_, inputs_, compiled)
+        if number is None:
+            return compiled
+        ran = weakref.WeakMethod(body._ran)
+
+        @functools.wraps(compiled)
+        def run(*args):  # dynamo's path only: tells the body which graph ran
+            tell = ran()
+            if tell is not None:
+                tell(number)
+            return compiled(*args)
+
+        return run
 
 
-def _structure(layer) -> tuple:
-    """A layer's tensors' attribute paths, shapes and dtypes, and its class, as a hashable key."""
-    return (type(layer), *((path, tuple(t.shape), t.dtype) for path, t in _module_tensors(layer, "")))
+def _structure(obj) -> tuple:
+    """What a layer (or a cache view) is made of, as a hashable key: its class, its tensors' attribute paths,
+    shapes, dtypes and devices, and its (and its parts') plain attributes: numbers, strings, flags."""
+    tensors, plain = [], []
+    for path, value in _module_attributes(obj, ""):
+        if isinstance(value, torch.Tensor):
+            tensors.append((path, tuple(value.shape), value.dtype, value.device))
+        else:
+            plain.append((path, value))
+    return type(obj), tuple(tensors), tuple(plain)
 
 
-def _module_tensors(obj, prefix: str, seen: set[int] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """(dotted attribute path, tensor) for every tensor `obj` holds: an nn.Module's parameters, buffers and
-    tensor attributes, its submodules', and those of tierlm objects it holds (a FusedProjections), each
-    object once."""
+def _module_attributes(obj, prefix: str, seen: set[int] | None = None) -> list[tuple[str, object]]:
+    """(dotted attribute path, value) for every tensor and plain value (bool, int, float, str, None) `obj`
+    holds: an nn.Module's parameters, buffers and attributes, its submodules', and those of tierlm objects
+    it holds (a FusedProjections), each object once."""
     seen = set() if seen is None else seen
     seen.add(id(obj))
-    out: list[tuple[str, torch.Tensor]] = []
+    out: list[tuple[str, object]] = []
     if isinstance(obj, torch.nn.Module):
         names = {**obj._parameters, **obj._buffers, **obj._modules}
         names.update((k, v) for k, v in vars(obj).items() if not k.startswith("_"))
@@ -227,28 +283,30 @@ def _module_tensors(obj, prefix: str, seen: set[int] | None = None) -> list[tupl
         names = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
     for name, value in names.items():
         path = f"{prefix}{name}"
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
             out.append((path, value))
         elif id(value) in seen or not hasattr(value, "__dict__"):
             continue
         elif isinstance(value, torch.nn.Module) or type(value).__module__.startswith("tierlm."):
-            out.extend(_module_tensors(value, path + ".", seen))
+            out.extend(_module_attributes(value, path + ".", seen))
     return out
 
 
 def _tensors(layer, args) -> list[tuple[torch.Tensor, object]]:
     """(tensor, getter(layer, args) -> that tensor) for every tensor a layer call can pass to its graph."""
     out = []
-    for path, t in _module_tensors(layer, ""):
-        get = operator.attrgetter(path)
-        out.append((t, lambda layer, args, get=get: get(layer)))
+    for path, t in _module_attributes(layer, ""):
+        if isinstance(t, torch.Tensor):
+            get = operator.attrgetter(path)
+            out.append((t, lambda layer, args, get=get: get(layer)))
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             out.append((a, lambda layer, args, i=i: args[i]))
         elif hasattr(a, "__dict__"):
-            for path, t in _module_tensors(a, ""):
-                get = operator.attrgetter(path)
-                out.append((t, lambda layer, args, i=i, get=get: get(args[i])))
+            for path, t in _module_attributes(a, ""):
+                if isinstance(t, torch.Tensor):
+                    get = operator.attrgetter(path)
+                    out.append((t, lambda layer, args, i=i, get=get: get(args[i])))
     return out
 
 
@@ -269,9 +327,9 @@ class CompiledStep:
     Later calls skip dynamo's guard evaluation but for the guards that tell its compiled entries apart:
     the step is built for one cache and one (batch, length), its inputs keep their shapes and dtypes, and
     inductor still asserts each input's size and stride. A whole-model step saves ~0.8 ms a step (~300
-    weight guards). A layer body's calls skip dynamo altogether once compiled (LayerBody); its first call
-    ran every layer through dynamo with full guards, so every layer kind it meets (sliding or full
-    attention, fused or separate projections) has its graph by then.
+    weight guards). A layer body's calls skip dynamo altogether once its graph is compiled (LayerBody):
+    the first layer of each kind (sliding or full attention, fused or separate projections) goes through
+    dynamo with full guards, the later ones call that kind's graph directly.
     `length` is not read: the step always attends over the whole cache.
     """
 
