@@ -121,6 +121,21 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture
+def layer_bodies(monkeypatch) -> list:
+    """Weak references to the layer-scope step bodies (tierlm.steps.LayerBody) built from here on."""
+    import weakref
+
+    from tierlm.steps import LayerBody
+
+    bodies: list = []
+    init = LayerBody.__init__
+    monkeypatch.setattr(
+        LayerBody, "__init__", lambda self, kw: bodies.append(weakref.ref(self)) or init(self, kw)
+    )
+    return bodies
+
+
+@pytest.fixture
 def attention_lengths(monkeypatch) -> list[int]:
     """The key length (cache slots) each grouped-attention call reads, in call order, from here on."""
     from tierlm.models import layers

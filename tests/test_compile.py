@@ -69,15 +69,6 @@ def test_layer_scope_compiles_one_body_for_all_layers(tiny_checkpoints):
     assert CompileConfig(scope="layer").compile_kwargs("cpu")["options"]["freezing"] is False
 
 
-@pytest.fixture
-def layer_bodies(monkeypatch):
-    """The LayerBody objects the steps built during a test build (tierlm.steps)."""
-    bodies = []
-    init = LayerBody.__init__
-    monkeypatch.setattr(LayerBody, "__init__", lambda self, kw: bodies.append(self) or init(self, kw))
-    return bodies
-
-
 def test_a_compiled_layer_body_is_called_without_dynamo(tiny_checkpoints, layer_bodies):
     """Once the layer body is compiled, every layer calls the compiled graph directly with its own tensors
     (tierlm.steps.LayerBody): dynamo is not called again, and the tokens are those of the same graphs
@@ -85,7 +76,7 @@ def test_a_compiled_layer_body_is_called_without_dynamo(tiny_checkpoints, layer_
     model = tierlm.load(tiny_checkpoints["qwen3"], dtype="float32")
     cc = CompileConfig(scope="layer")
     first = run(model, n=12, compile_config=cc)
-    (body,) = layer_bodies
+    (body,) = [ref() for ref in layer_bodies]
     assert len(body.graphs) == 1 and all(body.graphs)  # one graph, called directly by every layer:
     assert len(body.direct) == model.config.num_layers and all(body.direct.values())
     calls = []
@@ -107,7 +98,7 @@ def test_streamed_layers_call_the_compiled_body_directly(tiny_checkpoints, layer
         tiny_checkpoints["llama"], dtype="float32", device_map={"": "cpu", "model.layers.1": "disk"}
     )
     streamed = run(model, n=10, compile_config=CompileConfig(scope="layer"))
-    (body,) = layer_bodies
+    (body,) = [ref() for ref in layer_bodies]
     assert all(body.direct.values()) and model.streamer.fetches > 0
     assert streamed.token_ids == resident.token_ids
 
@@ -118,27 +109,22 @@ def test_frozen_layer_weights_are_never_called_directly(tiny_checkpoints, layer_
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     frozen = CompileConfig(scope="layer", cpp_wrapper=False, options={"freezing": True})
     result = run(model, n=10, compile_config=frozen)
-    (body,) = layer_bodies
+    (body,) = [ref() for ref in layer_bodies]
     layers = model.config.num_layers  # a graph per layer (dynamo guards on the frozen weights), none direct
     assert len(body.graphs) == layers and not any(body.graphs) and not any(body.direct.values())
     assert result.token_ids == run(model, n=10).token_ids
 
 
-def test_a_dropped_layer_step_frees_its_body(tiny_checkpoints, monkeypatch):
+def test_a_dropped_layer_step_frees_its_body(tiny_checkpoints, layer_bodies):
     """A layer-scope step the model lets go (newer cache shapes) takes its body and graphs with it."""
-    bodies = []
-    init = LayerBody.__init__
-    monkeypatch.setattr(
-        LayerBody, "__init__", lambda self, kw: bodies.append(weakref.ref(self)) or init(self, kw)
-    )
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     cc = CompileConfig(scope="layer", cpp_wrapper=False)
     run(model, n=2, max_cache_len=32, compile_config=cc)
-    assert bodies[0]() is not None and all(bodies[0]().direct.values())
+    assert layer_bodies[0]() is not None and all(layer_bodies[0]().direct.values())
     for length in (40, 48, 56, 64):  # four newer caches: the model lets the first one go
         run(model, n=2, max_cache_len=length, compile_config=cc)
     gc.collect()
-    assert bodies[0]() is None and bodies[-1]() is not None
+    assert layer_bodies[0]() is None and layer_bodies[-1]() is not None
 
 
 _OFFSET = torch.ones(8)  # a tensor a layer reads from its module's globals
@@ -153,7 +139,7 @@ class _GlobalReadingLayer(torch.nn.Module):
         return x @ self.weight + _OFFSET
 
 
-def test_a_layer_body_whose_graph_reads_other_tensors_stays_on_dynamo(layer_bodies):
+def test_a_layer_body_whose_graph_reads_other_tensors_stays_on_dynamo():
     """A graph input that is neither the layer's tensor nor an argument's cannot be passed directly: that
     layer structure keeps dynamo's path, with the right result."""
     body = LayerBody(CompileConfig(scope="layer", cpp_wrapper=False).compile_kwargs("cpu"))
@@ -176,7 +162,7 @@ class _BrokenLayer(torch.nn.Module):
         return y.relu() @ self.weight
 
 
-def test_a_layer_body_with_a_graph_break_stays_on_dynamo(layer_bodies):
+def test_a_layer_body_with_a_graph_break_stays_on_dynamo():
     """Two graphs for one layer (fullgraph off and a break): neither is the layer, so dynamo's path stays."""
     body = LayerBody(CompileConfig(scope="layer", cpp_wrapper=False, fullgraph=False).compile_kwargs("cpu"))
     layer, x = _BrokenLayer(), torch.randn(1, 8)

@@ -19,7 +19,6 @@ from tierlm import CompileConfig
 from tierlm.cache import RingLayerView, StaticCache
 from tierlm.config import FULL, SLIDING
 from tierlm.placement.placer import kv_bytes_per_token
-from tierlm.steps import LayerBody
 
 GEMMA3 = {**COMMON, "head_dim": 16}  # the other families' tiny shape; each config sets its layer count
 CONFIGS = {
@@ -199,13 +198,10 @@ def test_half_the_layers_on_disk_give_the_same_tokens(checkpoints, models, cache
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["model", "layer"])
-def test_resident_model_compiles_with_the_ring_cache(models, scope, monkeypatch):
+def test_resident_model_compiles_with_the_ring_cache(models, scope, layer_bodies):
     """The compile decision compiles the resident model (a ring buffer is a static cache), and the compiled
     step decodes 3x the window with the eager tokens; layer scope runs two bodies (ring and full views),
     each called directly once compiled (tierlm.steps.LayerBody)."""
-    bodies = []
-    init = LayerBody.__init__
-    monkeypatch.setattr(LayerBody, "__init__", lambda self, kw: bodies.append(self) or init(self, kw))
     model = models["tied"]
     rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([8, 3], seed=5))]
     new = 3 * model.config.sliding_window
@@ -219,7 +215,7 @@ def test_resident_model_compiles_with_the_ring_cache(models, scope, monkeypatch)
     assert compiled.token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] == (2 if scope == "layer" else 1)
     if scope == "layer":  # sliding and full layers: a graph each, every layer calling its own directly
-        (body,) = bodies
+        (body,) = [ref() for ref in layer_bodies]
         assert len(body.graphs) == 2 and all(body.graphs) and all(body.direct.values())
 
 
