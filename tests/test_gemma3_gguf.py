@@ -196,6 +196,7 @@ def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
     from pathlib import Path
 
     from tierlm.evaluate import next_token_logits, perplexity, top1_agreement
+    from tierlm.models.layers import Linear
     from tierlm.quant import Int8Linear
 
     text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
@@ -204,7 +205,7 @@ def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
     default = tierlm.load(gemma_gguf)
     int8 = default.plan.quantization is not None
     kinds = {type(m) for n, m in default.decoder.named_modules() if n.endswith("proj") or n == "lm_head"}
-    assert kinds == ({Int8Linear} if int8 else {torch.nn.Linear})
+    assert kinds == ({Int8Linear} if int8 else {Linear})  # tierlm's float Linear (it may widen prefill)
     ppl32, ppl = perplexity(gemma, ids), perplexity(default, ids)
     agreement = top1_agreement(next_token_logits(gemma, ids), next_token_logits(default, ids))
     kind = "int8" if int8 else "float"
