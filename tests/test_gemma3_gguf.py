@@ -162,16 +162,22 @@ ARM = ("simulated Arm Neoverse", "SVE256", True)
 
 @pytest.mark.parametrize(
     "features, kernels, mode",
-    [(AVX2, "", "int8"), (AVX2, "aten", None), (NATIVE_BF16, "", None), (ARM, "", None)],
-    ids=["avx2", "avx2-aten-kernels", "native-bf16", "arm"],
+    [
+        (AVX2, "", "int8"),
+        (AVX2, "aten", None),
+        (NATIVE_BF16, "", "int8"),
+        (NATIVE_BF16, "aten", None),
+        (ARM, "", None),
+    ],
+    ids=["avx2", "avx2-aten-kernels", "native-bf16", "native-bf16-aten-kernels", "arm"],
 )
 def test_k_quant_projections_load_as_int8_where_the_cpu_runs_them_faster(
     gemma_gguf, monkeypatch, features, kernels, mode
 ):
     """quantize="auto": this file's K-quant, Q5_0 and Q8_0 projections (no Q4_0/Q4_1 blocks for int4 to keep
-    exactly) become int8 per row where tierlm's AVX2 kernels run them (measured faster than bf16 there),
-    and widen to bf16 elsewhere (aten's int8 kernels on AVX2, AVX-512 and Arm CPUs: not chosen); an
-    explicit dtype or quantize=None keeps float weights."""
+    exactly) become int8 per row where tierlm's int8 kernel runs them (AVX2 and AVX512 CPUs: measured faster
+    than bf16 there), and widen to bf16 elsewhere (aten's int8 kernel, slower than bf16 at batch 8, and Arm:
+    not chosen); an explicit dtype or quantize=None keeps float weights."""
     from tierlm import cpu
     from tierlm.plan import Quantization, describe_plan, plan
     from tierlm.weights import gguf_cache
@@ -189,7 +195,7 @@ def test_k_quant_projections_load_as_int8_where_the_cpu_runs_them_faster(
 
 
 def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
-    """Whatever this CPU's default is (int8 projections and head on AVX2, bf16 elsewhere), its perplexity on
+    """Whatever this CPU's default is (int8 projections and head on AVX2 and AVX512, bf16 elsewhere), its perplexity on
     the quality text is within 1% of the fp32 weights of the same file, as the issue bounds every variant
     (measured: int8 +0.35%, bf16 -0.34%; llama.cpp on the file +1.05%). The default's weights are what the
     plan says."""

@@ -1,5 +1,6 @@
-"""tierlm's AVX2 int4/int8 kernels (tierlm.kernels): their math against an exact product, the error bound of
-their int16 activations, and where quantized linears use them.
+"""tierlm's int4/int8 CPU kernels (tierlm.kernels): their math against an exact product, the error bound of
+their int16 activations, and where quantized linears use them. On an AVX512 CPU the int8 product runs its
+AVX-512 loop, and the int4 tests run only where torch packs int4 as the kernel reads (AVX2).
 
 The kernels quantize each row of x to int16 in blocks of 32 (scale = the block's largest |x| / 32767, round
 to nearest even), then multiply exactly in integers and accumulate in float. So two checks hold on any CPU
@@ -19,6 +20,7 @@ from tierlm.quant import Int4Linear, Int8Linear
 
 AVX2 = cpu.CpuFeatures("simulated AMD Zen 3", "AVX2", native_bf16=False)
 AVX512 = cpu.CpuFeatures("simulated AMD Zen 4", "AVX512", native_bf16=True)
+ARM = cpu.CpuFeatures("simulated Arm Neoverse", "SVE256", native_bf16=True)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,15 @@ def ops():
         pytest.skip("the kernels need an x86 CPU with AVX2")
     built = kernels.loaded()
     if built is None:
-        pytest.skip("the AVX2 kernels do not build here, or torch packs int4 in another layout (AVX-512)")
+        pytest.skip("the kernels do not build here")
     return built
+
+
+@pytest.fixture(scope="module")
+def ops4(ops):
+    if not kernels.reads_torch_int4():
+        pytest.skip("torch packs int4 in another layout here (AVX-512: blocks of 64 rows); aten's int4 runs")
+    return ops
 
 
 def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,19 +77,19 @@ def make_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k", "group"), [(32, 32, 32), (96, 576, 32), (64, 576, 64), (256, 1536, 128)])
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_int4_matches_the_exact_product_of_its_quantized_activations(ops, dtype, n, k, group, m):
+def test_int4_matches_the_exact_product_of_its_quantized_activations(ops4, dtype, n, k, group, m):
     lin = torch.nn.Linear(k, n, bias=False)
     torch.nn.init.normal_(lin.weight, std=0.05, generator=torch.Generator().manual_seed(n + k))
     q = Int4Linear.from_linear(lin, group, dtype)
     x = make_x(m, k, dtype, seed=m)
-    y = ops.int4_mm(x, q.weight_int4, group, q.scales_and_zeros)
+    y = ops4.int4_mm(x, q.weight_int4, group, q.scales_and_zeros)
     assert y.dtype == dtype and y.shape == (m, n)
     check(y.float() if dtype == torch.float32 else y, x, q.dequantize())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(4, 32), (100, 576), (512, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])  # the AVX-512 loop takes up to 4 rows at a time
 def test_int8_matches_the_exact_product_of_its_quantized_activations(ops, dtype, n, k, m):
     lin = torch.nn.Linear(k, n, bias=False)
     q = Int8Linear.from_linear(lin, dtype)
@@ -90,7 +99,8 @@ def test_int8_matches_the_exact_product_of_its_quantized_activations(ops, dtype,
     check(y, x, q.dequantize())
 
 
-def test_mixed_dtypes_no_rows_and_non_finite_activations(ops):
+def test_mixed_dtypes_no_rows_and_non_finite_activations(ops4):
+    ops = ops4
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=False)
     q8 = Int8Linear.from_linear(lin, torch.bfloat16)  # bf16 scales
@@ -125,36 +135,40 @@ def linears(dtype=torch.bfloat16):
     return Int4Linear.from_linear(lin, 32, dtype), Int8Linear.from_linear(lin, dtype)
 
 
-def test_quantized_linears_use_the_kernels_where_the_cpu_selects_them(ops, monkeypatch):
+@pytest.mark.parametrize("features", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_quantized_linears_use_the_kernels_where_the_cpu_selects_them(ops, monkeypatch, features):
     monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(cpu, "detect", lambda: AVX2)
-    assert AVX2.avx2_int_kernels and "tierlm's AVX2 kernels" in AVX2.kernels()
+    monkeypatch.setattr(cpu, "detect", lambda: features)
+    assert features.int_kernels and "tierlm's" in features.kernels()
     q4, q8 = linears()
-    assert q4.avx2 and q8.avx2
+    assert q8.kernel and q4.kernel == kernels.reads_torch_int4()
     x = torch.randn(2, 5, 576, dtype=torch.bfloat16)
     x2d = x.reshape(-1, 576)
-    want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
-    assert torch.equal(q4(x), want4.reshape(2, 5, 96))
+    if q4.kernel:
+        want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
+        assert torch.equal(q4(x), want4.reshape(2, 5, 96))
     want8 = ops.int8_mm(x2d, q8.weight_int8, q8.scales) + q8.bias
     assert torch.equal(q8(x), want8.reshape(2, 5, 96))
 
 
-@pytest.mark.parametrize("why", ["aten", "avx512"])
+@pytest.mark.parametrize("why", ["aten", "arm"])
 def test_other_cpus_and_the_opt_out_keep_atens_kernels(ops, monkeypatch, why):
     if why == "aten":
         monkeypatch.setattr(cpu, "detect", lambda: AVX2)
         monkeypatch.setenv("TIERLM_CPU_KERNELS", "aten")
-        assert not AVX2.avx2_int_kernels
+        assert not AVX2.int_kernels
     else:
         monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
-        monkeypatch.setattr(cpu, "detect", lambda: AVX512)
-    assert kernels.avx2() is None
+        monkeypatch.setattr(cpu, "detect", lambda: ARM)
+    assert kernels.selected() is None
     q4, q8 = linears()
-    assert not q4.avx2 and not q8.avx2
+    assert not q4.kernel and not q8.kernel
     x = torch.randn(3, 576, dtype=torch.bfloat16)
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
     assert torch.equal(q4(x), want)
-    assert "tierlm's AVX2 kernels" not in cpu.detect().kernels()
+    want = torch.ops.aten._weight_int8pack_mm(x, q8.weight_int8, q8.scales) + q8.bias
+    assert torch.equal(q8(x), want)
+    assert "tierlm's" not in cpu.detect().kernels()
 
 
 def test_a_compiled_graph_calls_the_kernels(ops, monkeypatch):
@@ -180,6 +194,6 @@ def test_the_cache_listing_names_built_kernels(tmp_path):
     built.mkdir(parents=True)
     (built / "tierlm_avx2.so").write_bytes(bytes(3000))
     (entry,) = cache_entries(tmp_path)
-    assert (entry.kind, entry.nbytes) == ("kernels", 3000) and "AVX2 kernels" in entry.about
+    assert (entry.kind, entry.nbytes) == ("kernels", 3000) and "CPU kernels" in entry.about
     removed, kept = clear_cache(tmp_path)
     assert removed == [entry] and not kept and not (tmp_path / "kernels").exists()

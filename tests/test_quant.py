@@ -91,8 +91,9 @@ def test_int4_linear_matches_dequantized_reference(dtype, group_size):
 
 @pytest.mark.parametrize("kernels", ["aten", "avx2"])
 def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
-    """aten's kernels, or tierlm's AVX2 ones where the CPU selects them (tests/test_kernels.py checks their
-    math); the fp32-activation fallback below holds either way."""
+    """aten's kernels, or tierlm's where the CPU selects them (tests/test_kernels.py checks their math; int4
+    only where torch packs it as tierlm's kernel reads); the fp32-activation fallback below holds either
+    way."""
     from tierlm import cpu
     from tierlm import kernels as tierlm_kernels
 
@@ -103,8 +104,11 @@ def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
         monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
         monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated", "AVX2", False))
         if tierlm_kernels.loaded() is None:
-            pytest.skip("tierlm's AVX2 kernels do not build or load here")
-        ops = ("int8_mm.default", "int4_mm.default")
+            pytest.skip("tierlm's kernels do not build or load here")
+        int4 = (
+            "int4_mm.default" if tierlm_kernels.reads_torch_int4() else "_weight_int4pack_mm_for_cpu.default"
+        )
+        ops = ("int8_mm.default", int4)
     linear = random_linear(128, 64)
     x = random_input(128, torch.bfloat16)
     for module, op in [(Int8Linear.from_linear(linear), ops[0]), (Int4Linear.from_linear(linear), ops[1])]:
@@ -184,6 +188,33 @@ def test_many_int4_rows_on_amx_multiply_the_dequantized_bf16_weight(monkeypatch,
             y = q(x)
         kernel = not q.dequantizes or rows < DEQUANTIZE_ROWS
         assert ("_weight_int4pack_mm_for_cpu.default" in rec.ops) == kernel
+        assert rel_error(y, x.float() @ reference.T + q.bias.float()) < 2**-7
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_many_int8_rows_on_amx_multiply_the_widened_bf16_codes(monkeypatch, amx):
+    """From DEQUANTIZE_ROWS bf16 rows on a CPU with AMX, an int8 product multiplies the codes widened to bf16
+    (exact: int8 fits bf16's 8 significant bits) and then the row scales; fewer rows, fp32 rows, or no AMX,
+    take the int8 kernel (tierlm's or aten's). The product stays within bf16's rounding of output and scale."""
+    from tierlm import cpu
+    from tierlm.quant import DEQUANTIZE_ROWS
+
+    monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated", "AVX512", True, amx=amx))
+    linear = random_linear(512, 256, bias=True)
+    q = Int8Linear.from_linear(linear)
+    assert q.widens == amx
+    reference = q.dequantize()
+    kernel_ops = {"_weight_int8pack_mm.default", "int8_mm.default"}
+    for rows, dtype in (
+        (DEQUANTIZE_ROWS - 1, torch.bfloat16),
+        (DEQUANTIZE_ROWS, torch.bfloat16),
+        (DEQUANTIZE_ROWS, torch.float32),
+    ):
+        x = random_input(512, dtype, rows)
+        with OpRecorder() as rec:
+            y = q(x)
+        widened = amx and rows >= DEQUANTIZE_ROWS and dtype == torch.bfloat16
+        assert bool(kernel_ops & set(rec.ops)) != widened, rec.ops
         assert rel_error(y, x.float() @ reference.T + q.bias.float()) < 2**-7
 
 

@@ -97,7 +97,7 @@ def cpu_features() -> dict:
         "amx": f.amx,
         "vnni": f.vnni,
         # int4/int8 products by tierlm's kernels (selected here and built), not aten's
-        "avx2_int_kernels": kernels.avx2() is not None,
+        "int_kernels": kernels.selected() is not None,
         "vector": vector,
         # AMX kernels need the kernel's permission, which inductor's ISA check asks for and a package never
         # does: ask here (every process computes the key before it loads), and key on whether it was given.

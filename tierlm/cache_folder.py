@@ -45,7 +45,9 @@ def cache_entries(root: Path) -> list[CacheEntry]:
         elif path.name == "inductor" and path.is_dir():
             entries.append(CacheEntry(path, "inductor", tree_size(path), "compiled kernels (torch inductor)"))
         elif path.name == "kernels" and path.is_dir():
-            entries.append(CacheEntry(path, "kernels", tree_size(path), "tierlm's AVX2 kernels, built"))
+            entries.append(
+                CacheEntry(path, "kernels", tree_size(path), "tierlm's CPU kernels (int4/int8), built")
+            )
         else:
             entries.extend(_entries_of(path, "other"))
     return entries

@@ -43,19 +43,22 @@ class CpuFeatures:
     @property
     def keeps_quantized_as_int8(self) -> bool:
         """Whether a GGUF's other quantized projections (K-quants, Q5_0, Q8_0 ...) load as int8 per row by
-        default rather than widen to bf16: where tierlm's AVX2 kernels run them. Measured on Gemma 3 270M
-        Q4_K_M, eager, on a Zen 3 (AVX2): 1.45x bf16's decode and 1.7x its prefill at batch 1, 2.9x its
-        decode at batch 8; perplexity +0.35% over fp32 (bf16 -0.34%, llama.cpp on the file +1.05%). aten's
-        int8 product is slower than bf16 on AVX2; on an AVX-512 Xeon (aten's kernels) int8 was faster at
-        batch 1 but slower at batch 8, so not chosen there."""
-        return self.avx2_int_kernels
+        default rather than widen to bf16: where tierlm's int8 kernel runs them. Measured on Gemma 3 270M
+        Q4_K_M, eager: on a Zen 3 (AVX2) 1.45x bf16's decode and 1.7x its prefill at batch 1, 2.9x its decode
+        at batch 8; perplexity +0.35% over fp32 (bf16 -0.34%, llama.cpp on the file +1.05%). aten's int8
+        product is slower than bf16 at batch 8 on both kinds measured (AVX2; an AVX-512 Xeon), which is why
+        it takes tierlm's kernel (README, Gemma 3: the AVX-512 Xeon's measurements)."""
+        return self.int_kernels
 
     @property
-    def avx2_int_kernels(self) -> bool:
-        """Whether int4/int8 products run on tierlm's AVX2 kernels (tierlm.kernels): on AVX2 CPUs, where
-        torch's own are slow, unless TIERLM_CPU_KERNELS=aten. Elsewhere (AVX-512, Arm) aten's are kept:
-        tierlm's are measured only on AVX2."""
-        return self.capability == "AVX2" and os.environ.get("TIERLM_CPU_KERNELS", "").lower() != "aten"
+    def int_kernels(self) -> bool:
+        """Whether quantized products run on tierlm's kernels (tierlm.kernels) rather than aten's: on AVX2
+        CPUs (int4 and int8) and AVX512 ones (int8; torch packs int4 there in a layout they do not read, and
+        aten's AVX-512 int4 kernel is fast), unless TIERLM_CPU_KERNELS=aten. Elsewhere (Arm) aten's."""
+        return (
+            self.capability in ("AVX2", "AVX512")
+            and os.environ.get("TIERLM_CPU_KERNELS", "").lower() != "aten"
+        )
 
     def kernels(self) -> str:
         """What this CPU selects, in words."""
@@ -64,8 +67,10 @@ class CpuFeatures:
         )
         if self.keeps_quantized_as_int8:
             packed += "; other quantized GGUF projections int8"
-        if self.avx2_int_kernels:
+        if self.int_kernels and self.capability == "AVX2":
             packed += "; int4/int8 products by tierlm's AVX2 kernels (int16 activations)"
+        elif self.int_kernels:
+            packed += "; int8 products by tierlm's AVX-512 kernel (int16 activations), int4 by aten's"
         if self.widens_bf16_prefill:
             return (
                 "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its "

@@ -17,9 +17,11 @@ from torch import nn
 from tierlm import cpu, kernels
 
 MODES = ("int8", "int4")
-# Rows (tokens x sequences) from which an eager int4 product on a CPU with AMX dequantizes the weight to bf16
-# and multiplies on AMX tiles instead: measured on an AMX Xeon, 2 threads, a [1536, 576] weight at group 32:
-# the int4 kernel 1.24 ms at 128 rows and 3.17 ms at 328, dequantize + bf16 product 1.18 and 1.26 ms.
+# Rows (tokens x sequences) from which an eager int4 or int8 product of bf16 activations on a CPU with AMX
+# widens the weight to bf16 and multiplies on AMX tiles instead: measured on an AMX Xeon, 2 threads, a
+# [1536, 576] weight at group 32: the int4 kernel 1.24 ms at 128 rows and 3.17 ms at 328, dequantize + bf16
+# product 1.18 and 1.26 ms; Gemma 3's [1536, 640] int8 at 128 rows: tierlm's kernel 1.66 ms, widen + bf16
+# product 0.47-0.60 ms (at 38 rows 0.49 against 0.66 ms).
 DEQUANTIZE_ROWS = 128
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the aten int4 kernels accept
 PROJECTIONS = (
@@ -53,7 +55,7 @@ def check_mode(mode: str) -> None:
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-AVX2_DTYPES = (torch.bfloat16, torch.float32)  # what tierlm's AVX2 kernels take (tierlm.kernels)
+KERNEL_X_DTYPES = (torch.bfloat16, torch.float32)  # what tierlm's own kernels take (tierlm.kernels)
 _CUDA_INNER_K_TILES = 8  # tinygemm on CUDA: K must be a multiple of 16 * inner_k_tiles
 aten = torch.ops.aten
 
@@ -121,7 +123,7 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int, devic
 
 class Int8Linear(nn.Module):
     """y = x @ (weight_int8 * scales[:, None]).T + bias, through aten._weight_int8pack_mm on CPU (tierlm's
-    AVX2 kernel on an AVX2 CPU, see tierlm.kernels)."""
+    kernel on AVX2 and AVX512 CPUs, see tierlm.kernels; many bf16 rows on AMX: the widened weight)."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -129,14 +131,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # tierlm's AVX2 kernel (kernels.py) where this CPU wants it and the shape suits it
-        self.avx2 = (
+        # tierlm's kernel (kernels.py) where this CPU wants it and the shape suits it
+        self.kernel = (
             self.in_features % 32 == 0
             and self.out_features % 4 == 0
             and weight_int8.device.type in ("cpu", "meta")  # meta: a shell the streamed weights fill
-            and scales.dtype in AVX2_DTYPES
-            and _avx2_kernels()
+            and scales.dtype in KERNEL_X_DTYPES
+            and _kernels()
         )
+        # many bf16 rows (prefill) on AMX: the codes widened to bf16 (exactly) on AMX tiles, then the scales
+        self.widens = weight_int8.device.type in ("cpu", "meta") and cpu.detect().amx
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
@@ -146,7 +150,15 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if self.avx2 and x.device.type == "cpu" and x.dtype in AVX2_DTYPES:
+        if (
+            self.widens
+            and x.dtype == torch.bfloat16
+            and x2d.shape[0] >= DEQUANTIZE_ROWS
+            and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):
+            y = F.linear(x2d, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
+        elif self.kernel and x.device.type == "cpu" and x.dtype in KERNEL_X_DTYPES:
             y = torch.ops.tierlm_avx2.int8_mm(x2d.contiguous(), self.weight_int8, self.scales)
         elif x.device.type == "cpu" and x.dtype == self.scales.dtype and x.dtype in KERNEL_DTYPES:
             y = aten._weight_int8pack_mm(x2d.contiguous(), self.weight_int8, self.scales)
@@ -190,7 +202,7 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu) (tierlm's AVX2
+    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu) (tierlm's
     kernel on an AVX2 CPU, see tierlm.kernels)."""
 
     def __init__(
@@ -216,14 +228,16 @@ class Int4Linear(nn.Module):
             and cpu.detect().amx
             and unpacks_cpu_int4()
         )
-        # tierlm's AVX2 kernel (kernels.py) where this CPU wants it and the shape suits it
-        self.avx2 = (
+        # tierlm's kernel (kernels.py) where this CPU wants it, torch packs int4 as it reads and the shape
+        # suits it
+        self.kernel = (
             in_features % 32 == 0
             and group_size % 32 == 0
             and out_features % 32 == 0
-            and scales_and_zeros.dtype in AVX2_DTYPES
+            and scales_and_zeros.dtype in KERNEL_X_DTYPES
             and weight_int4.device.type in ("cpu", "meta")
-            and _avx2_kernels()
+            and _kernels()
+            and kernels.reads_torch_int4()
         )
 
     @classmethod
@@ -241,7 +255,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
-        if self.avx2 and x2d.device.type == "cpu":
+        if self.kernel and x2d.device.type == "cpu":
             y = torch.ops.tierlm_avx2.int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros)
             y = y.to(x.dtype)  # x2d is in the scales' dtype
         elif self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
@@ -337,9 +351,9 @@ def unpacks_cpu_int4() -> bool:
         return False
 
 
-def _avx2_kernels() -> bool:
-    """Whether quantized linears built now run tierlm's AVX2 kernels (built on first use)."""
-    return kernels.avx2() is not None
+def _kernels() -> bool:
+    """Whether quantized linears built now run tierlm's kernels (built on first use)."""
+    return kernels.selected() is not None
 
 
 def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:

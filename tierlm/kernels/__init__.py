@@ -1,4 +1,4 @@
-"""tierlm's own CPU kernels: int4 and int8 weight-only products for AVX2 CPUs (`avx2_quant.cpp`).
+"""tierlm's own CPU kernels: int4 and int8 weight-only products for x86 CPUs (`avx2_quant.cpp`).
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have no fast path without AVX-512, and
 inductor has no AVX2 int4 template, so on an AVX2 CPU decode spends most of its time widening weights to
@@ -6,9 +6,12 @@ float. These kernels quantize the activations to int16 in blocks of 32 and multi
 products (llama.cpp quantizes them to int8 on the same CPUs, which cost +0.6% perplexity on the default
 model here; int16 keeps aten's); they read the weights in torch's own packed layouts, so a
 model quantized for aten's kernels runs on them unchanged. They are used where
-`cpu.detect().avx2_int_kernels` says so (AVX2 CPUs, the ones they are measured on, unless
-`TIERLM_CPU_KERNELS=aten`), for decode and prefill alike (measured against aten's, 2 threads: 1.5-2.4x faster
-at 1 row; at 743 rows 1.3x faster for 3072 x 576, 0.85x for 576 x 1536).
+`cpu.detect().int_kernels` says so (AVX2 and AVX512 CPUs, unless `TIERLM_CPU_KERNELS=aten`), for decode
+and prefill alike (measured against aten's, 2 threads, on a Zen 3: 1.5-2.4x faster at 1 row; at 743 rows
+1.3x faster for 3072 x 576, 0.85x for 576 x 1536). On an AVX512 CPU the file is built with AVX-512 flags,
+which gives the int8 product a 512-bit loop (on an AMX Xeon, Gemma 3's shapes at 1 row: 1.3-2x aten's int8
+and 2.3-4x torch.mv in bf16; at 8 rows 1.2-2.3x aten's); its int4 product is used only where torch packs
+int4 as it reads (AVX2: `reads_torch_int4`), since torch packs AVX-512 int4 in blocks of 64 rows.
 
 The C++ is compiled once per machine with torch's extension builder (the C++ compiler inductor already
 needs, and ninja, a dependency) into `<cache>/kernels/<digest>` ($TIERLM_KERNELS_DIR instead of
@@ -33,8 +36,8 @@ LIBRARY = "tierlm_avx2"
 
 
 def wanted() -> bool:
-    """Whether this process should run tierlm's AVX2 kernels (`cpu.CpuFeatures.avx2_int_kernels`)."""
-    return cpu.detect().avx2_int_kernels
+    """Whether this process should run tierlm's kernels (`cpu.CpuFeatures.int_kernels`)."""
+    return cpu.detect().int_kernels
 
 
 def _folder(flags: list[str]) -> Path:
@@ -56,6 +59,8 @@ def _build():
     import torch
 
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
+        flags[3:3] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
     folder = _folder(flags)
     library = folder / f"{LIBRARY}.so"
     if not library.exists():
@@ -67,7 +72,7 @@ def _build():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-        print("tierlm: building the AVX2 int4/int8 kernels (once per machine, ~20 s)", file=sys.stderr)
+        print("tierlm: building the int4/int8 CPU kernels (once per machine, ~20 s)", file=sys.stderr)
         folder.mkdir(parents=True, exist_ok=True)
         _remove_dead_builds(folder.parent)
         build = folder.parent / f"{folder.name}.build-{os.getpid()}"
@@ -115,34 +120,33 @@ def _remove_dead_builds(root: Path) -> None:
             pass
 
 
-def avx2():
-    """torch.ops.tierlm_avx2 (int4_mm, int8_mm) when this process uses them, else None."""
+def selected():
+    """torch.ops.tierlm_avx2 (int8_mm; int4_mm where `reads_torch_int4`) when this process uses them, else
+    None."""
     return loaded() if wanted() else None
 
 
 @functools.cache
 def loaded():
     """torch.ops.tierlm_avx2 built and loaded (on any x86 CPU with AVX2 and FMA), or None, with one warning
-    saying why, where it cannot be built or torch packs int4 in another layout."""
+    saying why, where it cannot be built."""
     try:
-        ops = _build()
+        return _build()
     except Exception as e:  # no compiler, no ninja, a failed build: aten's kernels still work
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        warnings.warn(f"tierlm: AVX2 kernels unavailable ({reason}); using aten's", stacklevel=2)
+        warnings.warn(f"tierlm: CPU kernels unavailable ({reason}); using aten's", stacklevel=2)
         return None
-    if not _reads_int4_layout(ops):
-        warnings.warn(
-            "tierlm: torch packs int4 in a layout the AVX2 kernels do not read; using aten's", stacklevel=2
-        )
-        return None
-    return ops
 
 
-def _reads_int4_layout(ops) -> bool:
-    """Whether torch packs int4 in the layout the kernel reads (blocks of 32 rows, row 16 + j in the high
-    nibble): random codes, so that every row and column differs, through both kernels."""
+@functools.cache
+def reads_torch_int4() -> bool:
+    """Whether torch packs int4 in the layout the int4 kernel reads (blocks of 32 rows, row 16 + j in the high
+    nibble: torch's AVX2 packing): random codes, so that every row and column differs, through both kernels."""
     import torch
 
+    ops = loaded()
+    if ops is None:
+        return False
     n, k = 64, 64
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     try:
