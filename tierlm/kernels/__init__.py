@@ -9,8 +9,9 @@ model quantized for aten's kernels runs on them unchanged. They are used where
 `cpu.detect().int_kernels` says so (AVX2 and AVX512 CPUs, unless `TIERLM_CPU_KERNELS=aten`), for decode
 and prefill alike (measured against aten's, 2 threads, on a Zen 3: 1.5-2.4x faster at 1 row; at 743 rows
 1.3x faster for 3072 x 576, 0.85x for 576 x 1536). On an AVX512 CPU the file is built with AVX-512 flags,
-which gives the int8 product a 512-bit loop (on an AMX Xeon, Gemma 3's shapes at 1 row: 1.3-2x aten's int8
-and 2.3-4x torch.mv in bf16; at 8 rows 1.2-2.3x aten's); its int4 product is used only where torch packs
+which gives the int8 product a 512-bit loop (on an AMX Xeon, Gemma 3's five product shapes, 2 threads: at 1
+row 1.4-2.4x aten's int8 and 2.5-3.8x torch.mv in bf16; at 8 rows 0.85-2.3x aten's, 0.8-1.8x bf16's, the
+LM head the 2.3x / 1.4x); its int4 product is used only where torch packs
 int4 as it reads (AVX2: `reads_torch_int4`), since torch packs AVX-512 int4 in blocks of 64 rows.
 
 The C++ is compiled once per machine with torch's extension builder (the C++ compiler inductor already
