@@ -62,17 +62,26 @@ void quantize_rows(const X* x, int64_t m, int64_t k, int16_t* xq, float* d, floa
       float scale = mx / QMAX;
       if (scale < std::numeric_limits<float>::min()) scale = 0.f;  // x too tiny to scale: zeros
       const float inv = (scale > 0.f && std::isfinite(scale)) ? 1.f / scale : 0.f;
-      int16_t* q = xq + r * k + b * QB;
-      float f[QB];
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(t[i], _mm256_set1_ps(inv)));
-      int64_t qsum = 0;
-      bool finite = std::isfinite(mx);
-      for (int i = 0; i < QB; ++i) {
-        finite = finite && !std::isnan(f[i]);
-        const float c = std::isnan(f[i]) ? 0.f : std::fmin(std::fmax(std::nearbyint(f[i]), -QMAX), QMAX);
-        q[i] = static_cast<int16_t>(c);
-        qsum += q[i];
+      // x / scale rounded to nearest even and clamped to +-QMAX, a NaN to 0 (and noted), 8 lanes at a time
+      const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-QMAX), hi = _mm256_set1_ps(QMAX);
+      __m256i c[4], sum = _mm256_setzero_si256();
+      int nans = 0;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 f = _mm256_mul_ps(t[i], vinv);
+        const __m256 ordered = _mm256_cmp_ps(f, f, _CMP_ORD_Q);  // all ones where f is not NaN
+        nans |= ~_mm256_movemask_ps(ordered) & 0xFF;
+        const __m256 rounded = _mm256_round_ps(_mm256_and_ps(f, ordered), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, lo), hi));
+        sum = _mm256_add_epi32(sum, c[i]);
       }
+      int16_t* q = xq + r * k + b * QB;  // packs_epi32 interleaves 128-bit lanes: permute them back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      const int64_t qsum = _mm_cvtsi128_si32(s4);
+      const bool finite = std::isfinite(mx) && nans == 0;
       // a NaN or infinity in the block makes its scale NaN, so every output it reaches is NaN, as with aten
       if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
       d[r * nb + b] = scale;
