@@ -99,26 +99,40 @@ def test_int8_matches_the_exact_product_of_its_quantized_activations(ops, dtype,
     check(y, x, q.dequantize())
 
 
-def test_mixed_dtypes_no_rows_and_non_finite_activations(ops4):
-    ops = ops4
+def mixed_input():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=False)
+    return lin, make_x(3, 64, torch.float32, seed=3)  # fp32 activations, against bf16 scales below
+
+
+def non_finite(x: torch.Tensor):
+    """x in bf16 with a NaN, then an infinity, in row 1."""
+    for bad in (float("nan"), float("inf")):
+        xb = x.clone().bfloat16()
+        xb[1, 40] = bad
+        yield xb
+
+
+def test_int8_mixed_dtypes_no_rows_and_non_finite_activations(ops):
+    lin, x = mixed_input()
     q8 = Int8Linear.from_linear(lin, torch.bfloat16)  # bf16 scales
-    q4 = Int4Linear.from_linear(lin, 32, torch.bfloat16)
-    x = make_x(3, 64, torch.float32, seed=3)  # fp32 activations against bf16 scales
     y8 = ops.int8_mm(x, q8.weight_int8, q8.scales)
     assert y8.dtype == torch.float32
     check(y8, x, q8.dequantize())
     assert ops.int8_mm(x[:0], q8.weight_int8, q8.scales).shape == (0, 32)
-    assert ops.int4_mm(x[:0].bfloat16(), q4.weight_int4, 32, q4.scales_and_zeros).shape == (0, 32)
     # a NaN or infinity reaches every output of its row, as it does through aten's kernels; other rows stay
-    for bad in (float("nan"), float("inf")):
-        xb = x.clone().bfloat16()
-        xb[1, 40] = bad
-        y4 = ops.int4_mm(xb, q4.weight_int4, 32, q4.scales_and_zeros)
-        assert y4[1].isnan().all() and y4[[0, 2]].isfinite().all()
+    for xb in non_finite(x):
         y8 = ops.int8_mm(xb, q8.weight_int8, q8.scales)
         assert y8[1].isnan().all() and y8[[0, 2]].isfinite().all()
+
+
+def test_int4_no_rows_and_non_finite_activations(ops4):
+    lin, x = mixed_input()
+    q4 = Int4Linear.from_linear(lin, 32, torch.bfloat16)
+    assert ops4.int4_mm(x[:0].bfloat16(), q4.weight_int4, 32, q4.scales_and_zeros).shape == (0, 32)
+    for xb in non_finite(x):
+        y4 = ops4.int4_mm(xb, q4.weight_int4, 32, q4.scales_and_zeros)
+        assert y4[1].isnan().all() and y4[[0, 2]].isfinite().all()
 
 
 def test_bad_shapes_are_one_clear_error(ops):
