@@ -1,11 +1,15 @@
-"""What Ray Serve itself adds to a request on this machine, without tierlm: the floor under the router
-overhead that `benchmarks/serve.py --replicas` measures.
+"""What Ray Serve's hops add to a request on this machine, with no model behind them: the floor under the
+router overhead that `benchmarks/serve.py --replicas` measures.
 
 A local Ray instance (2 CPUs, the environment `tierlm serve --replicas` sets: ray_app.LOCAL_SERVE_ENV) runs
-an ingress deployment shaped like tierlm's router (a raw ASGI app) and a leaf deployment. Three routes:
-- /direct: the ingress answers itself (client -> Ray's HTTP proxy -> ingress replica);
-- /unary:  the ingress asks the leaf through a DeploymentHandle, one call (one more hop);
-- /stream: the same through a streaming handle, as tierlm's router forwards every request.
+a leaf deployment that answers at once, and an ingress deployment (a raw ASGI app) behind Ray's HTTP proxy.
+Routes:
+- proxy -> ingress: the ingress answers itself (client -> Ray's HTTP proxy -> ingress replica);
+- proxy -> ingress -> leaf: the ingress asks the leaf through a DeploymentHandle, one call or a stream (the
+  shape tierlm's router had as a Ray Serve ingress deployment);
+- tierlm's front -> leaf: `ray_app.Front` serving `TierlmRouter` from this process (the Ray driver) over the
+  leaf's handle, as `tierlm serve --replicas` does now: one Ray hop;
+- the same with Ray Serve's default router loop (a thread of its own) instead of the serving loop.
 Each is timed over HTTP keep-alive on loopback (median of `--requests`), against a bare uvicorn server
 answering the same bytes from a thread of this process (no Ray).
 
@@ -57,6 +61,9 @@ def deployments(serve):
         async def stream(self, request: dict):
             yield {"headers": HEADERS, "body": BODY}
 
+        async def handle_http(self, request: dict):  # TierlmReplica's: the response start with its body
+            yield {"status": 200, "headers": HEADERS, "body": BODY, "more": False}
+
     class Ingress:
         def __init__(self, leaf) -> None:
             self.leaf, self.streaming = leaf, leaf.options(stream=True)
@@ -89,6 +96,24 @@ def deployments(serve):
         serve.ingress()(Ingress)
     )
     return ingress.bind(Leaf.bind())
+
+
+def tierlm_front(serve, port: int, separate_loop: bool):
+    """tierlm's own front (ray_app.Front, TierlmRouter) over the leaf's handle, served from this process."""
+    from tierlm.server.ray_app import Front
+    from tierlm.server.ray_router import TierlmRouter
+
+    class Router(TierlmRouter):
+        def _bind(self) -> None:
+            if separate_loop:  # leave the handle to Ray Serve's default: its router on a loop of its own
+                self.replicas._init(_run_router_in_separate_loop=True)
+            super()._bind()
+
+    from ray.serve.handle import DeploymentHandle
+
+    front = Front("127.0.0.1", port)
+    front.start(Router(DeploymentHandle("Leaf", "hops"), 1, None, 1_000_000))  # a handle of its own
+    return front
 
 
 def median_ms(port: int, path: str, n: int) -> float:
@@ -127,16 +152,29 @@ def main() -> None:
     while not bare.started:
         time.sleep(0.05)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    rows = {"no Ray (uvicorn)": [], "/direct": [], "/unary": [], "/stream": []}
+    rows = {
+        "no Ray (uvicorn)": [],
+        "/direct": [],
+        "/unary": [],
+        "/stream": [],
+        "front": [],
+        "front, thread": [],
+    }
+    fronts = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(deployments(serve), name="hops", route_prefix="/")
+        fronts = [tierlm_front(serve, args.port + 2, False), tierlm_front(serve, args.port + 3, True)]
         for _ in range(args.rounds):
             rows["no Ray (uvicorn)"].append(median_ms(args.port + 1, "/", args.requests))
             for path in ("/direct", "/unary", "/stream"):
                 rows[path].append(median_ms(args.port, path, args.requests))
+            rows["front"].append(median_ms(args.port + 2, "/v1/models", args.requests))
+            rows["front, thread"].append(median_ms(args.port + 3, "/v1/models", args.requests))
     finally:
         serve.shutdown()
+        for front in fronts:
+            front.close()
         ray.shutdown()
         bare.should_exit = True
 
@@ -153,16 +191,18 @@ def main() -> None:
     )
     print(f"median ms of {args.requests} GETs (HTTP keep-alive, loopback); median of {args.rounds} rounds")
     base = statistics.median(rows["no Ray (uvicorn)"])
-    print(f"{'route':<34} {'ms':>7} {'added ms':>9}")
+    print(f"{'route':<58} {'ms':>7} {'added ms':>9}")
     what = {
         "no Ray (uvicorn)": "no Ray (uvicorn)",
         "/direct": "proxy -> ingress",
         "/unary": "proxy -> ingress -> leaf (unary)",
         "/stream": "proxy -> ingress -> leaf (stream)",
+        "front": "tierlm's front -> leaf (stream; tierlm serve --replicas)",
+        "front, thread": "tierlm's front -> leaf (stream), router on its own loop",
     }
     for key, values in rows.items():
         ms = statistics.median(values)
-        print(f"{what[key]:<34} {ms:7.2f} {ms - base:9.2f}")
+        print(f"{what[key]:<58} {ms:7.2f} {ms - base:9.2f}")
 
 
 if __name__ == "__main__":

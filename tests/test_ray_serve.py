@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -77,15 +78,23 @@ def check_openai_error(response: httpx.Response, status: int, code: str) -> None
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir) -> Iterator[str]:  # noqa: F811
+def front(tiny_dir) -> Iterator[ray_app.Front]:  # noqa: F811
+    """The HTTP front (in this process) over 2 replicas on a local Ray instance."""
     spec = ray_app.ReplicaSpec(
         load_kwargs={"path": str(tiny_dir), "dtype": "float32"}, app_kwargs={"model_name": NAME}, cpus=1
     )
     ray_app.start_ray(None, num_cpus=2, object_store_bytes=128 * 2**20)
+    served = None
     try:
-        yield ray_app.deploy(2, spec, port=free_port())
+        served = ray_app.deploy(2, spec, port=free_port())
+        yield served
     finally:
-        ray_app.stop(keep_cluster=False)
+        ray_app.stop(served, keep_cluster=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(front) -> str:
+    return front.url
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +237,15 @@ def test_a_killed_replica_fails_its_requests_with_503_and_is_replaced(cluster):
 # --- placement and the optional extra ---------------------------------------------------------------------------
 
 
+def test_a_port_in_use_is_refused_before_anything_is_deployed():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            ray_app.Front("127.0.0.1", port)
+
+
 def test_placement_counts_replicas_per_node():
     two_nodes = [{"CPU": 3.0}, {"CPU": 3.0, "GPU": 1.0}]
     ray_app.check_resources(two_nodes, 2, cpus=2, gpus=0)
@@ -286,7 +304,7 @@ def test_the_single_process_server_does_not_import_ray():
 
 
 @needs_ray
-def test_shutdown_drains_running_requests_and_refuses_new_ones(cluster):
+def test_shutdown_drains_running_requests_and_refuses_new_ones(front, cluster):
     wait_until(lambda: healthy_replicas(cluster), 150, "two healthy replicas")
     first_chunk = threading.Event()
     result: dict = {}
@@ -305,7 +323,7 @@ def test_shutdown_drains_running_requests_and_refuses_new_ones(cluster):
     client = threading.Thread(target=streamed)
     client.start()
     assert first_chunk.wait(60)
-    draining = threading.Thread(target=ray_app.drain, args=(60.0,))
+    draining = threading.Thread(target=front.drain, args=(60.0,))
     draining.start()
     wait_until(lambda: get(cluster, "/health").json()["status"] == "shutting_down", 30, "the drain to begin")
     check_openai_error(post(cluster, chat_body("too late")), 503, "server_shutting_down")

@@ -2,14 +2,18 @@
 
 Each replica (`TierlmReplica`, a Ray actor of its own) loads the model and runs `build_app(model, ...)`, the
 single-process server's FastAPI app with its own worker thread, in process; requests reach it as ASGI calls
-through a DeploymentHandle and stream back message by message. The router (`TierlmRouter`, the HTTP ingress)
-forwards every route to one replica, which Ray Serve picks (power of two choices over queue lengths), and
-answers `/health` and `/stats` itself by asking every replica (`DeploymentHandle.broadcast`). So routes,
-validation, errors and streaming are the single-process server's own; what Ray adds is which replica answers
-(the `x-tierlm-replica` header), a 503 when that replica dies under a request, and replacing it.
+through a DeploymentHandle and stream back message by message. The router (`TierlmRouter`) is the HTTP front:
+uvicorn serves it in the `tierlm serve` process itself (the Ray driver, which owns the application's
+lifetime anyway), on a socket bound before anything is deployed. It forwards every route to one replica,
+which Ray Serve's handle picks (power of two choices over queue lengths), and answers `/health` and `/stats`
+itself by asking every replica (`DeploymentHandle.broadcast`). So routes, validation, errors and streaming
+are the single-process server's own; what Ray adds is which replica answers (the `x-tierlm-replica`
+header), a 503 when that replica dies under a request, and replacing it. Ray Serve's HTTP proxy is not
+started: a request crosses one Ray hop (front -> replica), not three (proxy -> ingress -> replica).
 
 The replica is ray_replica.py, the router ray_router.py; this module holds what every replica is given
-(`ReplicaSpec`), the placement check, and the application's lifetime (start Ray, deploy, drain, stop).
+(`ReplicaSpec`), the placement check, and the application's lifetime (start Ray, bind, deploy, serve,
+drain, stop).
 
 Ray is optional (`pip install 'tierlm[ray]'`): these modules import it only inside functions, and nothing
 imports them unless `--replicas` is given, so the single-process server never needs it.
@@ -21,6 +25,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,11 +39,11 @@ from tierlm.server.ray_router import ROUTER_NAME as ROUTER_NAME
 logger = logging.getLogger("tierlm.server")
 
 APP_NAME = "tierlm"
-ROUTER, REPLICA = "TierlmRouter", "TierlmReplica"
+REPLICA = "TierlmReplica"
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20  # requests and chunks are small; Ray's default takes 30% of RAM
 # Ray Serve's own switch for lower per-request overhead (user code and the handle's router on the replica's
-# event loop, buffered request logs, gRPC between deployments): it halves the router's added latency here.
-# Direct ingress (replicas with HTTP ports of their own) stays off: the router is the one way in.
+# event loop, buffered request logs, gRPC between deployments). Direct ingress (ingress replicas with HTTP
+# ports of their own) stays off: the replicas are no ingress, the front in this process is the one way in.
 LOCAL_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 RAY_MISSING = "tierlm serve --replicas needs Ray Serve, which is not installed: pip install 'tierlm[ray]'"
 
@@ -116,7 +121,7 @@ def cluster_nodes(ray) -> list[dict[str, float]]:
 
 
 def application(replicas: int, spec: ReplicaSpec):
-    """The Ray Serve application: the router bound to `replicas` replicas of `spec`."""
+    """The Ray Serve application: `replicas` replicas of `spec` (no HTTP route: the front calls them)."""
     _ray, serve = import_ray()
     replica = serve.deployment(
         TierlmReplica,
@@ -129,19 +134,7 @@ def application(replicas: int, spec: ReplicaSpec):
         health_check_period_s=2,
         max_constructor_retry_count=2,  # a model that does not load fails the deployment, not retries forever
     )
-    router = serve.deployment(
-        serve.ingress()(TierlmRouter),
-        name=ROUTER,
-        num_replicas=1,
-        ray_actor_options={"num_cpus": 0},  # routing is I/O; the CPUs are the replicas'
-        max_ongoing_requests=10_000,
-        graceful_shutdown_timeout_s=5,
-        graceful_shutdown_wait_loop_s=0.2,
-    )
-    app_kwargs = spec.app_kwargs
-    return router.bind(
-        replica.bind(spec), replicas, app_kwargs.get("api_key"), app_kwargs.get("max_body_bytes", 1_000_000)
-    )
+    return replica.bind(spec)
 
 
 def start_ray(address: str | None, *, num_cpus: int | None = None, object_store_bytes: int | None = None):
@@ -171,37 +164,99 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, object_store_
     return ray
 
 
-def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int = 8000) -> str:
-    """Check placement, then deploy and wait until every replica has loaded; return the URL."""
-    prepare(replicas, spec, host, port)
-    return launch(replicas, spec, host, port)
+class Front:
+    """The router served over HTTP by uvicorn on a thread of this process. The socket is bound when the
+    front is made, before anything is deployed, so a port in use refuses early and changes nothing."""
+
+    def __init__(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as err:
+            self.socket.close()
+            raise RuntimeError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        self.router: TierlmRouter | None = None
+        self.server = self.thread = None
+
+    def start(self, router: TierlmRouter, timeout: float = 30.0) -> None:
+        """Serve `router` from a daemon thread; returns once it accepts connections."""
+        import uvicorn
+
+        config = uvicorn.Config(
+            router.asgi_app(), log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+        )
+        self.router, self.server = router, uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="tierlm-front", daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP front on {self.url} did not start")
+            time.sleep(0.02)
+
+    def drain(self, grace_s: float) -> None:
+        """The replicas refuse new requests; those in flight get `grace_s` to finish (TierlmRouter.drain)."""
+        if self.router is not None and self.router.loop is not None:
+            self.router.run(self.router.drain(grace_s), timeout=grace_s + 2 * BROADCAST_TIMEOUT_S + 5)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(15)
+        self.socket.close()
 
 
-def prepare(replicas: int, spec: ReplicaSpec, host: str, port: int) -> None:
-    """Everything that can refuse before the cluster changes: placement, the HTTP proxy, the name."""
+def deploy(replicas: int, spec: ReplicaSpec, host: str = "127.0.0.1", port: int = 8000) -> Front:
+    """Check placement and bind the port, deploy, wait until every replica has loaded, then serve HTTP."""
+    front = prepare(replicas, spec, host, port)
+    try:
+        launch(replicas, spec, front)
+    except BaseException:
+        front.close()
+        raise
+    return front
+
+
+def prepare(replicas: int, spec: ReplicaSpec, host: str, port: int) -> Front:
+    """Everything that can refuse before the cluster changes: placement, the port, the name."""
     ray, serve = import_ray()
     check_resources(cluster_nodes(ray), replicas, spec.cpus, spec.gpus)
+    front = Front(host, port)
     try:
-        serve.start(http_options={"host": host, "port": port})
-    except Exception as err:  # e.g. the port is taken: Ray's error is a remote traceback; say its cause
-        cause = getattr(err, "cause", None) or err
-        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        raise RuntimeError(
-            f"Ray Serve's HTTP proxy did not start: {lines[-1] if lines else cause!r}"
-        ) from None
-    if APP_NAME in serve.status().applications:
-        raise RuntimeError(
-            f"an application named {APP_NAME!r} already runs on this Ray cluster: stop its tierlm serve first"
-        )
+        serve.start(proxy_location="Disabled")  # no HTTP proxy: the front is this process's
+        if APP_NAME in serve.status().applications:
+            raise RuntimeError(
+                f"an application named {APP_NAME!r} already runs on this Ray cluster: stop its tierlm serve first"
+            )
+    except BaseException:
+        front.close()
+        raise
+    return front
 
 
-def launch(replicas: int, spec: ReplicaSpec, host: str, port: int) -> str:
-    """Deploy the application and wait until every replica has loaded; return the URL."""
+def launch(replicas: int, spec: ReplicaSpec, front: Front) -> None:
+    """Deploy the replicas, wait until every one has loaded, then start the HTTP front over them."""
     _ray, serve = import_ray()
-    target = serve.RunTarget(target=application(replicas, spec), name=APP_NAME, route_prefix="/")
+    target = serve.RunTarget(target=application(replicas, spec), name=APP_NAME, route_prefix=None)
     serve.run_many([target], wait_for_applications_running=False)
     _wait_running(serve)
-    return f"http://{host}:{port}"
+    app_kwargs = spec.app_kwargs
+    max_body = app_kwargs.get("max_body_bytes", 1_000_000)
+    front.start(TierlmRouter(replica_handle(), replicas, app_kwargs.get("api_key"), max_body))
+
+
+def replica_handle():
+    """A handle of the replica deployment that is the caller's own: not Ray Serve's cached one, which
+    `serve.shutdown()` would shut down on whatever loop it was bound to (the front's, closed by then)."""
+    import_ray()
+    from ray.serve.handle import DeploymentHandle
+
+    return DeploymentHandle(REPLICA, APP_NAME)
 
 
 def _wait_running(serve) -> None:
@@ -226,28 +281,9 @@ def _wait_running(serve) -> None:
         time.sleep(0.5)
 
 
-def replica_handle():
-    _ray, serve = import_ray()
-    return serve.get_deployment_handle(REPLICA, app_name=APP_NAME)
-
-
-def drain(grace_s: float) -> None:
-    """Graceful shutdown: replicas refuse new requests and give those in flight `grace_s` to finish (then end
-    them with an error, as the single-process server does); returns when none is left or after the grace."""
-    handle = replica_handle()
-    handle.broadcast("begin_drain", grace_s).results(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
-    deadline = time.monotonic() + grace_s + 2
-    while time.monotonic() < deadline:
-        stats = handle.broadcast("replica_stats").results(
-            timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
-        )
-        if all(isinstance(s, dict) and not s.get("running") and not s.get("queued") for s in stats):
-            return
-        time.sleep(0.1)
-
-
-def stop(*, keep_cluster: bool, delete: bool = True) -> None:
-    """Delete the application (if `delete`: it is ours); on a local instance also stop Serve and Ray."""
+def stop(front: Front | None, *, keep_cluster: bool, delete: bool = True) -> None:
+    """Delete the application (if `delete`: it is ours; on a local instance stop Serve), then close the front
+    (its loop outlives the application, so Ray Serve's updates to its handle still land) and leave Ray."""
     ray, serve = import_ray()
     try:
         if keep_cluster:
@@ -256,7 +292,11 @@ def stop(*, keep_cluster: bool, delete: bool = True) -> None:
         else:
             serve.shutdown()
     finally:
-        ray.shutdown()
+        try:
+            if front is not None:
+                front.close()
+        finally:
+            ray.shutdown()
 
 
 def serve_replicas(
@@ -272,18 +312,17 @@ def serve_replicas(
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     start_ray(ray_address)
-    deployed = False
+    front = None
     try:
-        prepare(replicas, spec, host, port)
-        deployed = True  # from here on the application is ours to delete
-        url = launch(replicas, spec, host, port)
-        logger.warning("serving on %s with %d replicas (Ctrl-C stops)", url, replicas)
+        front = prepare(replicas, spec, host, port)  # from here on the application is ours to delete
+        launch(replicas, spec, front)
+        logger.warning("serving on %s with %d replicas (Ctrl-C stops)", front.url, replicas)
         stopping = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stopping.set())
         while not stopping.wait(1.0):
             pass
         logger.warning("shutting down: in-flight requests have %.1f s to finish", shutdown_grace_s)
-        drain(shutdown_grace_s)
+        front.drain(shutdown_grace_s)
     finally:
-        stop(keep_cluster=bool(ray_address), delete=deployed)
+        stop(front, keep_cluster=bool(ray_address), delete=front is not None)
