@@ -164,7 +164,8 @@ def main() -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(deployments(serve), name="hops", route_prefix="/")
-        fronts = [tierlm_front(serve, args.port + 2, False), tierlm_front(serve, args.port + 3, True)]
+        fronts.append(tierlm_front(serve, args.port + 2, False))
+        fronts.append(tierlm_front(serve, args.port + 3, True))
         for _ in range(args.rounds):
             rows["no Ray (uvicorn)"].append(median_ms(args.port + 1, "/", args.requests))
             for path in ("/direct", "/unary", "/stream"):

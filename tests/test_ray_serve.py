@@ -237,13 +237,23 @@ def test_a_killed_replica_fails_its_requests_with_503_and_is_replaced(cluster):
 # --- placement and the optional extra ---------------------------------------------------------------------------
 
 
-def test_a_port_in_use_is_refused_before_anything_is_deployed():
+def test_the_front_holds_its_port_from_the_start_and_a_port_in_use_is_refused():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port}: Address already in use"):
             ray_app.Front("127.0.0.1", port)
+    front = ray_app.Front("127.0.0.1", 0)  # made before deploying: nobody else may take the port meanwhile
+    try:
+        port = front.socket.getsockname()[1]
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+    finally:
+        front.close()
 
 
 def test_placement_counts_replicas_per_node():
@@ -320,16 +330,25 @@ def test_shutdown_drains_running_requests_and_refuses_new_ones(front, cluster):
                 lines.append(line)
         result["events"] = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
+    def drain() -> None:
+        try:
+            front.drain(60.0)
+            result["running_after_drain"] = get(cluster, "/stats").json()["totals"]["running"]
+        except BaseException as err:  # noqa: BLE001 (reported by the assertion below)
+            result["drain_error"] = err
+
     client = threading.Thread(target=streamed)
     client.start()
     assert first_chunk.wait(60)
-    draining = threading.Thread(target=front.drain, args=(60.0,))
+    draining = threading.Thread(target=drain)
     draining.start()
     wait_until(lambda: get(cluster, "/health").json()["status"] == "shutting_down", 30, "the drain to begin")
     check_openai_error(post(cluster, chat_body("too late")), 503, "server_shutting_down")
     client.join(120)
     draining.join(120)
     assert not client.is_alive() and not draining.is_alive()
+    assert "drain_error" not in result, result.get("drain_error")
+    assert result["running_after_drain"] == 0  # the drain returned once the running request had finished
     events = result["events"]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # it ran to the end

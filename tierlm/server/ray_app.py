@@ -174,6 +174,7 @@ class Front:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.socket.bind((host, port))
+            self.socket.listen(2048)  # reserved from here on (connections wait until uvicorn serves them)
         except OSError as err:
             self.socket.close()
             raise RuntimeError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
@@ -202,7 +203,10 @@ class Front:
     def drain(self, grace_s: float) -> None:
         """The replicas refuse new requests; those in flight get `grace_s` to finish (TierlmRouter.drain)."""
         if self.router is not None and self.router.loop is not None:
-            self.router.run(self.router.drain(grace_s), timeout=grace_s + 2 * BROADCAST_TIMEOUT_S + 5)
+            try:
+                self.router.run(self.router.drain(grace_s), timeout=grace_s + 2 * BROADCAST_TIMEOUT_S + 5)
+            except TimeoutError:
+                logger.warning("the drain did not finish in time; stopping anyway")
 
     def close(self) -> None:
         if self.server is not None:
@@ -299,6 +303,10 @@ def stop(front: Front | None, *, keep_cluster: bool, delete: bool = True) -> Non
             ray.shutdown()
 
 
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_replicas(
     replicas: int,
     spec: ReplicaSpec,
@@ -311,7 +319,8 @@ def serve_replicas(
     """`tierlm serve --replicas N`: deploy, serve until SIGINT/SIGTERM, drain, stop."""
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
-    start_ray(ray_address)
+    signal.signal(signal.SIGTERM, _interrupt)  # while deploying, SIGTERM stops as Ctrl-C does: the finally
+    start_ray(ray_address)  # below deletes what was deployed
     front = None
     try:
         front = prepare(replicas, spec, host, port)  # from here on the application is ours to delete

@@ -112,9 +112,10 @@ class TierlmReplica:
         _status, body = await self._get("/stats")
         return {"replica": self.name, "pid": os.getpid(), "host": socket.gethostname(), **body}
 
-    async def begin_drain(self, grace_s: float) -> None:
+    async def begin_drain(self, grace_s: float) -> dict:
         """Refuse new requests; those in flight have `grace_s` to finish, as in the single-process server."""
         self.scheduler.begin_drain(grace_s)
+        return {"replica": self.name}
 
     async def __del__(self) -> None:
         await self._lifespan.__aexit__(None, None, None)  # stops the worker thread

@@ -52,6 +52,7 @@ class TierlmRouter:
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.unavailable = _unavailable_errors()
         self.counts = {"requests": 0, "replica_failures": 0}
+        self.draining = False
 
     def asgi_app(self) -> GuardMiddleware:
         return GuardMiddleware(self._asgi, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
@@ -74,7 +75,12 @@ class TierlmRouter:
         """Run `coroutine` on the serving loop from another thread; its result, or TimeoutError."""
         if self.loop is None:
             raise RuntimeError("the router is not serving yet")
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     async def _asgi(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -100,7 +106,7 @@ class TierlmRouter:
             results = await self.replicas.broadcast(method, *args).results_async(
                 timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True
             )
-        except TimeoutError:
+        except (TimeoutError, *self.unavailable):  # no replica answered (none is up, or all timed out)
             return []
         return [r for r in results if isinstance(r, dict)]
 
@@ -135,11 +141,13 @@ class TierlmRouter:
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: replicas refuse new requests and give those in flight `grace_s` to finish (then
         end them with an error, as the single-process server does); returns when none is left or after it."""
-        await self._broadcast("begin_drain", grace_s)
+        self.draining = True  # from now on the front answers new requests with the shutdown error itself
+        draining = {a["replica"] for a in await self._broadcast("begin_drain", grace_s)}
         deadline = self.loop.time() + grace_s + 2
         while self.loop.time() < deadline:
             stats = await self._broadcast("replica_stats")
-            if all(not s.get("running") and not s.get("queued") for s in stats):
+            idle = {s["replica"] for s in stats if not s.get("running") and not s.get("queued")}
+            if draining <= idle:  # a replica that did not answer is not known to be idle
                 return
             await asyncio.sleep(0.1)
 
@@ -147,6 +155,10 @@ class TierlmRouter:
         """One request to one replica, its answer copied back; a client that leaves (uvicorn says so through
         `receive`, not `send`) cancels the call, and the replica's app sees the disconnect."""
         self.counts["requests"] += 1
+        if self.draining:
+            error = error_body(503, "the server is shutting down", code="server_shutting_down")
+            await _send_json(send, 503, error)
+            return
         body = await _read_body(receive)
         request = {
             "method": scope["method"],
@@ -165,12 +177,13 @@ class TierlmRouter:
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
                 relay.result()  # its exception, if any
-            else:  # the client left: whatever the relay raises now (cancelled, on either side) is moot
-                relay.add_done_callback(lambda task: task.cancelled() or task.exception())
-                relay.cancel()
         finally:
             gone.cancel()
-            chunks.cancel()  # a no-op when the stream ended; else the replica stops generating
+            if not relay.done():  # the client left (or this request was cancelled): what it raises is moot
+                relay.add_done_callback(lambda task: task.cancelled() or task.exception())
+                relay.cancel()
+            chunks.cancel()  # a no-op when the stream ended; else the replica stops generating (best effort:
+            # Ray Serve cancels a call still being assigned, or one whose replica the relay already holds)
 
     async def _relay(self, chunks, send) -> None:
         """Copy the replica's answer to `send`; a replica that died under it ends it with a 503."""
