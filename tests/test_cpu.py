@@ -16,6 +16,7 @@ from tierlm.cpu import CpuFeatures
 
 AVX2 = CpuFeatures("simulated AMD Zen 3", "AVX2", native_bf16=False)
 NATIVE_BF16 = CpuFeatures("simulated AMD Zen 4", "AVX512", native_bf16=True, vnni=True)
+AMX = CpuFeatures("simulated Xeon with AMX", "AVX512", native_bf16=True, amx=True, vnni=True)
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8, 11, 250, 3]])
 
 
@@ -53,11 +54,14 @@ def test_detect_asks_torch_and_names_the_cpu():
 
 
 @pytest.mark.parametrize(
-    "features, widened", [(AVX2, True), (NATIVE_BF16, False)], ids=["avx2", "native-bf16"]
+    "features, widened, mv",
+    [(AVX2, True, True), (NATIVE_BF16, False, False), (AMX, False, True)],
+    ids=["avx2", "native-bf16", "amx"],
 )
-def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened):
-    """The auto dtype of a GGUF is bf16 on both kinds of CPU; bf16 prefill is widened to fp32 only
-    where bf16 is not native, and one-row decode products run as torch.mv on both (layers.linear).
+def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened, mv):
+    """The auto dtype of a GGUF is bf16 on every kind of CPU; bf16 prefill is widened to fp32 only
+    where bf16 is not native, and one-row decode products run as torch.mv where that is faster (AVX2, AMX),
+    as F.linear where it is not (native bf16 without AMX: a Zen 4) (layers.linear).
     (Float weights: `quantize=None`; the default packing is the next test's.)"""
     monkeypatch.setattr(cpu, "detect", lambda: features)
     model = tierlm.load(quantize=None)  # the default model, dtype "auto"
@@ -69,7 +73,8 @@ def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, f
     decode = {dtype for dtype, rows in seen.calls if rows == 1}
     assert prefill == {torch.float32 if widened else torch.bfloat16}
     assert decode == {torch.bfloat16}
-    assert seen.vector_calls > 0  # the decode step's products, LM head included
+    assert features.eager_mv == mv
+    assert (seen.vector_calls > 0) == mv  # the decode step's products, LM head included
 
 
 ARM = CpuFeatures("simulated Arm Neoverse", "SVE256", native_bf16=True)
@@ -107,26 +112,67 @@ def test_detected_cpu_drives_whether_gguf_q4_blocks_stay_packed(
         assert kinds == {Int4Linear} and isinstance(model.decoder.lm_head, Int8Linear)
 
 
-@pytest.mark.parametrize("features", [AVX2, NATIVE_BF16], ids=["avx2", "native-bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_one_row_bf16_products_run_as_mv_on_every_cpu(monkeypatch, features, bias):
-    """layers.linear: a one-row bf16 product is torch.mv (torch.addmv with a bias) whether bf16 is native or
-    not, F.linear for several rows or fp32; either way within one bf16 rounding of the fp32 product."""
-    from tierlm.models.layers import linear
+def test_one_row_bf16_products_run_as_mv_where_flagged(bias):
+    """layers.linear: a one-row bf16 product is torch.mv (torch.addmv with a bias) in an eager step where the
+    module's `vector` flags say so, F.linear otherwise and for several rows or fp32; either way within one bf16
+    rounding of the fp32 product."""
+    from tierlm.models.layers import VECTOR_COMPILED, VECTOR_EAGER, linear
 
-    monkeypatch.setattr(cpu, "detect", lambda: features)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16() if bias else None
     x = torch.randn(1, 1, 64, generator=g).bfloat16()
     with LinearDtypes() as seen:
-        y = linear(x, w, b, False)
-        linear(x.expand(1, 3, 64).contiguous(), w, b, False)
-        linear(x.float(), w.float(), None if b is None else b.float(), False)
+        y = linear(x, w, b, False, VECTOR_EAGER)
+        linear(x.expand(1, 3, 64).contiguous(), w, b, False, VECTOR_EAGER)
+        linear(x.float(), w.float(), None if b is None else b.float(), False, VECTOR_EAGER)
     assert seen.vector_calls == 1
+    with LinearDtypes() as seen:
+        z = linear(x, w, b, False, VECTOR_COMPILED)  # eager here: the compiled flag alone is F.linear
+    assert seen.vector_calls == 0 and len(seen.calls) == 1
     reference = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert y.shape == (1, 1, 96) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), reference, rtol=2**-8, atol=2**-8 * reference.abs().max().item())
+    assert y.shape == z.shape == (1, 1, 96) and y.dtype == z.dtype == torch.bfloat16
+    for out in (y, z):
+        torch.testing.assert_close(
+            out.float(), reference, rtol=2**-8, atol=2**-8 * reference.abs().max().item()
+        )
+
+
+@pytest.mark.parametrize(
+    "features, compiled_mv",
+    [(AVX2, False), (NATIVE_BF16, True), (AMX, False)],
+    ids=["avx2", "native-bf16", "amx"],
+)
+def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
+    monkeypatch, tiny_checkpoints, features, compiled_mv
+):
+    """A layer-scope step's body uses torch.mv for one-row bf16 products where tierlm.cpu chose it (inductor
+    makes it a fused reduction), a whole step never does; the compiled greedy logits stay within bf16's
+    tolerance of the eager ones (two kernels: not exact)."""
+    from tierlm.compile import CompileConfig
+    from tierlm.models.layers import VECTOR_COMPILED
+
+    monkeypatch.setattr(cpu, "detect", lambda: features)
+    assert features.compiled_layer_mv == compiled_mv
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
+    ids = torch.tensor([[5, 17, 99, 23, 41, 7]])
+    eager = model.generate(ids, max_new_tokens=2, min_new_tokens=2, logprobs=5)
+    layered = model.generate(
+        ids, max_new_tokens=2, min_new_tokens=2, logprobs=5, compile_config=CompileConfig(scope="layer")
+    )
+    assert layered.stats.compile.compile
+    flags = {bool(m.vector & VECTOR_COMPILED) for m in model.decoder.modules() if hasattr(m, "vector")}
+    assert flags == {compiled_mv}
+    # token 0 comes from the (eager) prefill in both; token 1 from the first decode step, compiled in one.
+    # Its top log probabilities agree within 0.15: bf16 keeps 8 significant bits, so this model's hidden
+    # states and logits (up to ~8) round in steps of up to 2^-5, and the two kernels round in other places
+    # (measured: up to 0.063 apart; a wrong product is off by whole units).
+    assert layered.token_ids[0][0] == eager.token_ids[0][0]
+    want, got = dict(eager.logprobs[0][1].top), dict(layered.logprobs[0][1].top)
+    for token in set(want) & set(got):
+        assert abs(want[token] - got[token]) <= 0.15, (token, want[token], got[token])
+    assert len(set(want) & set(got)) >= 3
 
 
 def test_fp32_models_never_widen(monkeypatch, tiny_checkpoints):

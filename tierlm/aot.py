@@ -280,6 +280,7 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
             )
             model.decoder.ensure_rope(cache.max_len, model.device)
             model.decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(device))  # as JIT
+            model.decoder.vector_products(compiled=False)  # whole steps keep F.linear, as JIT
             model.decoder.attention_regions(False)  # one exported graph (steps.build differs)
             # fixed shapes: _StepModule's forward passes no `length`, so the step reads the whole cache
             exported = torch.export.export(StepModule(model.decoder, cache), (*example, *state), strict=False)

@@ -32,6 +32,20 @@ class CpuFeatures:
         return not self.native_bf16
 
     @property
+    def eager_mv(self) -> bool:
+        """Whether an eager one-row bf16 product (batch-1 decode) runs as torch.mv rather than F.linear:
+        faster with AMX (a Xeon: 1.5-2x) and without native bf16 (a Zen 3: 1.03-1.14x); slower with AVX-512
+        BF16 and no AMX (a Zen 4: 0.57-0.85x, the same products; layers._vector_product)."""
+        return self.amx or not self.native_bf16
+
+    @property
+    def compiled_layer_mv(self) -> bool:
+        """Whether a layer-scope compiled body writes one-row bf16 products as torch.mv, which inductor turns
+        into reductions fused with their neighbours: on a Zen 4 (AVX-512 BF16, no AMX) a bf16 layer-scope
+        decode of the default model 24 -> 46-48 tok/s. Not measured elsewhere, so not chosen there."""
+        return self.native_bf16 and not self.amx and self.capability == "AVX512"
+
+    @property
     def keeps_q4_packed(self) -> bool:
         """Whether a GGUF's Q4_0/Q4_1 projections stay packed by default (int4, its own 32-wide blocks; the LM
         head int8) rather than widen to bf16. Measured on the default model, eager, batch 1: on a Zen 3
@@ -71,13 +85,16 @@ class CpuFeatures:
             packed += "; int4/int8 products by tierlm's AVX2 kernels (int16 activations)"
         elif self.int_kernels:
             packed += "; int8 products by tierlm's AVX-512 kernel (int16 activations), int4 by aten's"
+        one_row = "one-row ones by torch.mv" if self.eager_mv else "one-row ones by F.linear"
+        if self.compiled_layer_mv:
+            one_row += ", by inductor's reductions in layer-scope steps"
         if self.widens_bf16_prefill:
             return (
-                "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its "
+                f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), its "
                 f"attention in fp32; prefill in fp32 (bf16 weights widened per product){packed}"
             )
         return (
-            "GGUF default dtype bfloat16; bf16 decode products in bf16 (one-row ones by torch.mv), its eager "
+            f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), its eager "
             f"attention in fp32; prefill in bf16{packed}"
         )
 

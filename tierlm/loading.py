@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm import cpu
 from tierlm.models.decoder import Decoder
 from tierlm.module_names import under
 from tierlm.placement.offload import Streamer, Unit
@@ -67,6 +68,8 @@ def build_step(plan: LoadPlan, loading: Loading) -> None:
     devices = {n: _param_device(placement, n) for n in placement.param_devices}
     pin = placement.device.type == "cuda"
     loading.decoder = build_decoder(loading.checkpoint, plan.dtype, devices, loading.progress, pin_cpu=pin)
+    if placement.device.type == "cpu":  # one-row bf16 products: torch.mv or F.linear, as this CPU is faster
+        loading.decoder.vector_products(eager=cpu.detect().eager_mv)
 
 
 def _param_device(placement: Placement, name: str):

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from tierlm import cpu
 from tierlm.cache import mark_static
 from tierlm.compile import CompileConfig, streamed_config
 from tierlm.models.decoder import run_layer
@@ -77,6 +78,11 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
     ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=device)
     kwargs = cc.compile_kwargs(str(device))
     decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(str(device)))
+    # A layer body's one-row bf16 products as torch.mv where inductor's reductions beat aten's product
+    # (tierlm.cpu); a whole step keeps F.linear (max-autotune's GEMM templates, frozen weights)
+    decoder.vector_products(
+        compiled=cc.scope == "layer" and device.type == "cpu" and cpu.detect().compiled_layer_mv
+    )
     # A CPU whole step compiles its layers' decode attention once (halves a cold compile; CUDA steps and
     # AOT packages keep one graph: neither was measured with nested regions), unless it has a C++ wrapper,
     # which cannot call a nested region (inductor: "codegen invoke_subgraph is not implemented")

@@ -7,7 +7,16 @@ from torch import nn
 
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
-from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, Linear, RMSNorm, fuse_projections, rope_tables
+from tierlm.models.layers import (
+    VECTOR_COMPILED,
+    VECTOR_EAGER,
+    DecoderLayer,
+    GemmaRMSNorm,
+    Linear,
+    RMSNorm,
+    fuse_projections,
+    rope_tables,
+)
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
@@ -76,6 +85,17 @@ class Decoder(nn.Module):
         for module in self.modules():
             if hasattr(module, "widen"):
                 module.widen = on
+
+    def vector_products(self, eager: bool | None = None, compiled: bool | None = None) -> None:
+        """Where one-row bf16 products run as torch.mv (layers.linear): in eager steps, in compiled ones;
+        None keeps that half as it is."""
+        for module in self.modules():
+            if hasattr(module, "vector"):
+                flags = module.vector
+                for flag, on in ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled)):
+                    if on is not None:
+                        flags = flags | flag if on else flags & ~flag
+                module.vector = flags
 
     def widen_compiled_attention(self, on: bool) -> None:
         """Whether compiled steps attend in fp32 where eager ones do (`widen_prefill`): for a compile mode

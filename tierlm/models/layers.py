@@ -92,7 +92,14 @@ WIDE_ROWS = 4  # an eager decode step of at least this many rows is a matrix-mat
 WIDE_FP32_BYTES = 8 * 2**20  # ... widened only where the weight's fp32 copy stays in the cache
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool) -> torch.Tensor:
+# Where a one-row bf16 product (a batch-1 decode step) runs as torch.mv rather than F.linear: bit flags a
+# module's `vector` holds (tierlm.cpu decides: CpuFeatures.eager_mv, compiled_layer_mv).
+VECTOR_EAGER, VECTOR_COMPILED = 1, 2
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool, vector: int = VECTOR_EAGER
+) -> torch.Tensor:
     """F.linear; with `widen`, a product of several tokens per row (prefill), or an eager decode step of
     WIDE_ROWS rows or more whose weight is small, runs in fp32 and returns x's dtype.
 
@@ -105,24 +112,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wid
     if widen and x.dim() > 2 and (x.shape[-2] > 1 or _wide_decode(x, weight)):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
-    if x.numel() == x.shape[-1] and _vector_product(x, weight):
+    if x.numel() == x.shape[-1] and _vector_product(x, weight, vector):
         v = x.reshape(-1)
         y = torch.mv(weight, v) if bias is None else torch.addmv(bias, weight, v)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-def _vector_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a one-row bf16 product (a batch-1 decode step) runs as torch.mv: torch's own bf16
-    matrix-vector kernel reads the weight faster than F.linear's, 1.5-2x on a CPU with native bf16 (AMX Xeon,
-    2 threads: the 262144x640 Gemma 3 LM head 13.5 against 21.1 ms, a 2048x640 projection 43 against 82 us)
-    and 1.03-1.14x without it (Zen 3, AVX2: the same head 21.0 against 21.7 ms, a 3072x576 projection 204
-    against 225 us, weights from memory). Eager only (compiled steps have their own kernels)."""
+def _vector_product(x: torch.Tensor, weight: torch.Tensor, vector: int) -> bool:
+    """Whether a one-row bf16 product runs as torch.mv: in eager steps where `vector` has VECTOR_EAGER, in
+    compiled ones where it has VECTOR_COMPILED. Eager: torch's bf16 matrix-vector kernel reads the weight
+    faster than F.linear's with AMX (a Xeon, 2 threads: the 262144x640 Gemma 3 LM head 13.5 against 21.1 ms,
+    a 2048x640 projection 43 against 82 us) and without native bf16 (Zen 3: 1.03-1.14x), slower on a Zen 4
+    (AVX-512 BF16, no AMX: 0.57-0.85x; the 49152x576 head 5.7 against 3.3 ms). Compiled (layer scope, where
+    matmuls stay aten's): inductor turns torch.mv into a reduction fused with its neighbours, which on that
+    Zen 4 reads the head in 1.7 ms and doubles a bf16 layer-scope decode (24 -> 46-48 tok/s)."""
+    where = VECTOR_COMPILED if torch.compiler.is_compiling() else VECTOR_EAGER
     return (
-        x.dtype == torch.bfloat16
+        bool(vector & where)
+        and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -138,9 +148,10 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.widen = False
+        self.vector = VECTOR_EAGER  # where one-row bf16 products run as torch.mv (Decoder.vector_products)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.widen)
+        return linear(x, self.weight, self.bias, self.widen, self.vector)
 
 
 # Which projections fuse into one matmul, as data (nano-vllm's packed-modules mapping): under each layer's
@@ -160,10 +171,10 @@ class FusedProjections:
     def __init__(self, weight=None, bias=None, packed: nn.Module | None = None) -> None:
         self.weight, self.bias, self.packed = weight, bias, packed
 
-    def __call__(self, x: torch.Tensor, widen: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, widen: bool, vector: int = VECTOR_EAGER) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
-        return linear(x, self.weight, self.bias, widen)
+        return linear(x, self.weight, self.bias, widen, vector)
 
 
 def fuse_projections(*projections: nn.Module) -> FusedProjections | None:
@@ -215,10 +226,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused: FusedProjections | None = None
         self.widen = False  # the fused product's prefill in fp32, like Linear.widen
+        self.vector = VECTOR_EAGER  # like Linear.vector
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            gate, up = self.fused(x, self.widen).chunk(2, dim=-1)
+            gate, up = self.fused(x, self.widen, self.vector).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -342,6 +354,7 @@ class Attention(nn.Module):
         # ... and the attention matmuls of a compiled step whose matmuls are aten's (tierlm.steps.build sets
         # it: a max-autotune step's C++ GEMM templates are faster on bf16 itself)
         self.widen_compiled = False
+        self.vector = VECTOR_EAGER  # like Linear.vector, for the fused q/k/v product
         # A whole compiled step's decode attention as one region compiled once for all layers
         # (`decode_attention_region`; tierlm.steps.build sets it for CPU whole steps)
         self.region = False
@@ -349,7 +362,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
             kv = self.num_kv_heads * self.head_dim
-            qkv = self.fused(x, self.widen)
+            qkv = self.fused(x, self.widen, self.vector)
             return qkv.split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
@@ -368,7 +381,7 @@ class Attention(nn.Module):
             view = cache.views[self.layer_idx]
             state = (*rope, mask, view.keys, view.values, slots, self.widen_compiled)
             if self.fused is not None:
-                out = decode_attention_region(self.fused(x, self.widen), *state)
+                out = decode_attention_region(self.fused(x, self.widen, self.vector), *state)
             else:
                 out = split_decode_attention_region(self.q_proj(x), self.k_proj(x), self.v_proj(x), *state)
             return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
