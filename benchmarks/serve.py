@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_model_file, fmt, median, print_table, status, write_json  # noqa: E402
+from common import cpu_header, default_model_file, fmt, median, print_table, status, write_json  # noqa: E402
 
 QUESTIONS = [
     "Write a long story about a lighthouse keeper.",
@@ -294,7 +294,8 @@ def report(results: dict[str, dict[int, dict]], model_file: Path, args) -> None:
 def print_and_save(
     headers: list[str], rows: list[list[str]], title: str, model_file: Path, args, results: dict
 ) -> None:
-    """The table on stdout, and with --json the results with the model and the arguments."""
+    """The CPU and the table on stdout, and with --json the results with the model and the arguments."""
+    print(cpu_header())
     print_table(headers, rows, title)
     if args.json:
         write_json(args.json, {"model": str(model_file), "args": vars(args), "results": results})
