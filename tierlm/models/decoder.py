@@ -89,13 +89,12 @@ class Decoder(nn.Module):
     def vector_products(self, eager: bool | None = None, compiled: bool | None = None) -> None:
         """Where one-row bf16 products run as torch.mv (layers.linear): in eager steps, in compiled ones;
         None keeps that half as it is."""
+        halves = ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled))
+        kept = ~sum(flag for flag, on in halves if on is not None)
+        set_ = sum(flag for flag, on in halves if on)
         for module in self.modules():
             if hasattr(module, "vector"):
-                flags = module.vector
-                for flag, on in ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled)):
-                    if on is not None:
-                        flags = flags | flag if on else flags & ~flag
-                module.vector = flags
+                module.vector = module.vector & kept | set_
 
     def widen_compiled_attention(self, on: bool) -> None:
         """Whether compiled steps attend in fp32 where eager ones do (`widen_prefill`): for a compile mode
