@@ -279,7 +279,9 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
                 torch.zeros(1, dtype=torch.long),
             )
             model.decoder.ensure_rope(cache.max_len, model.device)
-            model.decoder.widen_compiled_attention("max-autotune" not in cc.resolved_mode(device))  # as JIT
+            model.decoder.widen_compiled_attention(  # as JIT
+                "max-autotune" not in cc.resolved_mode(device), cpu.detect().compiled_wide_attention
+            )
             model.decoder.vector_products(compiled=False)  # whole steps keep F.linear, as JIT
             model.decoder.attention_regions(False)  # one exported graph (steps.build differs)
             # fixed shapes: _StepModule's forward passes no `length`, so the step reads the whole cache

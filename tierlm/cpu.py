@@ -41,9 +41,21 @@ class CpuFeatures:
     @property
     def compiled_layer_mv(self) -> bool:
         """Whether a layer-scope compiled body writes one-row bf16 products as torch.mv, which inductor turns
-        into reductions fused with their neighbours: on a Zen 4 (AVX-512 BF16, no AMX) a bf16 layer-scope
-        decode of the default model 24 -> 46-48 tok/s. Not measured elsewhere, so not chosen there."""
-        return self.native_bf16 and not self.amx and self.capability == "AVX512"
+        into reductions fused with their neighbours (with `LAYER_REALIZE_OPCOUNT`, so the normalized input
+        each reduction reads is computed once, not once per output row): on a Zen 4 (AVX-512 BF16, no AMX) a
+        bf16 layer-scope decode of the default model 24 -> 46-48 tok/s; on an AMX Xeon 32.6 -> 39.1 (36.3
+        with inductor's default realize threshold; aten's bf16 product of one row runs at 10-12 GB/s there
+        inside a layer, the reductions at 12-15). Without native bf16 (a Zen 3) not measured, so not chosen."""
+        return self.native_bf16 and self.capability == "AVX512"
+
+    @property
+    def compiled_wide_attention(self) -> bool:
+        """Whether compiled bf16 steps whose matmuls stay aten's (a layer-scope body; mode "default") attend
+        in fp32: without native bf16 (`widens_bf16_prefill`: 31.1 against 26.8 tok/s on a Zen 3) and with AMX,
+        where aten's bf16 batched products of a decode step's attention cost 45-54 us each inside the layer
+        body against 17-19 in fp32 (an AMX Xeon, the default model: int4 layer-scope decode 68.5 -> 84.4
+        tok/s, bf16 31.1 -> 32.6). With AVX-512 BF16 and no AMX (a Zen 4) not measured, so not chosen."""
+        return self.amx or not self.native_bf16
 
     @property
     def keeps_q4_packed(self) -> bool:
@@ -88,14 +100,15 @@ class CpuFeatures:
         one_row = "one-row ones by torch.mv" if self.eager_mv else "one-row ones by F.linear"
         if self.compiled_layer_mv:
             one_row += ", by inductor's reductions in layer-scope steps"
+        attention = "its attention in fp32" if self.compiled_wide_attention else "its eager attention in fp32"
         if self.widens_bf16_prefill:
             return (
-                f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), its "
-                f"attention in fp32; prefill in fp32 (bf16 weights widened per product){packed}"
+                f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), "
+                f"{attention}; prefill in fp32 (bf16 weights widened per product){packed}"
             )
         return (
-            f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), its eager "
-            f"attention in fp32; prefill in bf16{packed}"
+            f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), {attention}; "
+            f"prefill in bf16{packed}"
         )
 
     def describe(self) -> str:

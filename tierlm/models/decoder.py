@@ -96,14 +96,16 @@ class Decoder(nn.Module):
             if hasattr(module, "vector"):
                 module.vector = module.vector & kept | set_
 
-    def widen_compiled_attention(self, on: bool) -> None:
+    def widen_compiled_attention(self, on: bool, bf16_too: bool = False) -> None:
         """Whether compiled steps attend in fp32 where eager ones do (`widen_prefill`): for a compile mode
         whose matmuls stay aten's, which are slow in bf16 without native bf16 (a layer-scope decode of the
         default model: 31.1 tok/s widened against 26.8, interleaved in one process on a Zen 3). A max-autotune step's own C++ GEMM templates
-        multiply bf16 faster than widening does (76-86 tok/s against 69), so it leaves this off."""
+        multiply bf16 faster than widening does (76-86 tok/s against 69), so it leaves this off. bf16_too:
+        also where bf16 is native, for the CPUs whose aten bf16 attention products are slower than fp32 ones
+        there too (tierlm.cpu: `compiled_wide_attention`, AMX)."""
         for module in self.modules():
             if hasattr(module, "widen_compiled"):
-                module.widen_compiled = on and module.widen
+                module.widen_compiled = on and (module.widen or bf16_too)
 
     def attention_regions(self, on: bool) -> None:
         """Whether a compiled whole step runs each layer's decode attention through one nested compile region
