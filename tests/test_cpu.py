@@ -139,13 +139,29 @@ def test_one_row_bf16_products_run_as_mv_where_flagged(bias):
         )
 
 
+@pytest.fixture
+def body_options(monkeypatch) -> list[dict]:
+    """The torch.compile keyword arguments of each layer body built (steps.LayerBody) while a test runs."""
+    from tierlm import steps
+
+    seen: list[dict] = []
+
+    class Recorded(steps.LayerBody):
+        def __init__(self, compile_kwargs):
+            seen.append(compile_kwargs)
+            super().__init__(compile_kwargs)
+
+    monkeypatch.setattr(steps, "LayerBody", Recorded)
+    return seen
+
+
 @pytest.mark.parametrize(
     "features, compiled_mv, wide",
     [(AVX2, False, True), (NATIVE_BF16, True, False), (AMX, True, True)],
     ids=["avx2", "native-bf16", "amx"],
 )
 def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
-    monkeypatch, tiny_checkpoints, features, compiled_mv, wide
+    monkeypatch, tiny_checkpoints, body_options, features, compiled_mv, wide
 ):
     """A layer-scope step's body uses torch.mv for one-row bf16 products where tierlm.cpu chose it (inductor
     makes it a fused reduction, with a lower realize threshold so the norm before it is computed once), a
@@ -155,14 +171,6 @@ def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
     from tierlm.compile import CompileConfig
     from tierlm.models.layers import VECTOR_COMPILED
 
-    bodies = []
-
-    class Recorded(steps.LayerBody):
-        def __init__(self, compile_kwargs):
-            bodies.append(compile_kwargs)
-            super().__init__(compile_kwargs)
-
-    monkeypatch.setattr(steps, "LayerBody", Recorded)
     monkeypatch.setattr(cpu, "detect", lambda: features)
     assert features.compiled_layer_mv == compiled_mv
     assert features.compiled_wide_attention == wide
@@ -176,7 +184,7 @@ def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
     flags = {bool(m.vector & VECTOR_COMPILED) for m in model.decoder.modules() if hasattr(m, "vector")}
     assert flags == {compiled_mv}
     assert {m.widen_compiled for m in model.decoder.modules() if hasattr(m, "widen_compiled")} == {wide}
-    threshold = [kw["options"].get("realize_opcount_threshold") for kw in bodies]
+    threshold = [kw["options"].get("realize_opcount_threshold") for kw in body_options]
     assert threshold == [steps.LAYER_REALIZE_OPCOUNT if compiled_mv else None]
     # token 0 comes from the (eager) prefill in both; token 1 from the first decode step, compiled in one.
     # Its top log probabilities agree within 0.15: bf16 keeps 8 significant bits, so this model's hidden
@@ -189,26 +197,19 @@ def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
     assert len(set(want) & set(got)) >= 3
 
 
-def test_a_callers_inductor_options_win_over_the_layer_bodys_realize_threshold(monkeypatch, tiny_checkpoints):
+def test_a_callers_inductor_options_win_over_the_layer_bodys_realize_threshold(
+    monkeypatch, tiny_checkpoints, body_options
+):
     """The realize threshold is tierlm's default for layer bodies with fused reductions; a CompileConfig's own
     `options` keep their value."""
-    from tierlm import steps
     from tierlm.compile import CompileConfig
 
-    bodies = []
-
-    class Recorded(steps.LayerBody):
-        def __init__(self, compile_kwargs):
-            bodies.append(compile_kwargs)
-            super().__init__(compile_kwargs)
-
-    monkeypatch.setattr(steps, "LayerBody", Recorded)
     monkeypatch.setattr(cpu, "detect", lambda: AMX)
     model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
     cc = CompileConfig(scope="layer", options={"realize_opcount_threshold": 30})
     r = model.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=2, min_new_tokens=2, compile_config=cc)
     assert r.stats.compile.compile
-    assert [kw["options"]["realize_opcount_threshold"] for kw in bodies] == [30]
+    assert [kw["options"]["realize_opcount_threshold"] for kw in body_options] == [30]
 
 
 def test_fp32_models_never_widen(monkeypatch, tiny_checkpoints):
