@@ -41,11 +41,12 @@ class CpuFeatures:
     @property
     def compiled_layer_mv(self) -> bool:
         """Whether a layer-scope compiled body writes one-row bf16 products as torch.mv, which inductor turns
-        into reductions fused with their neighbours (with `LAYER_REALIZE_OPCOUNT`, so the normalized input
-        each reduction reads is computed once, not once per output row): on a Zen 4 (AVX-512 BF16, no AMX) a
-        bf16 layer-scope decode of the default model 24 -> 46-48 tok/s; on an AMX Xeon 32.6 -> 39.1 (36.3
-        with inductor's default realize threshold; aten's bf16 product of one row runs at 10-12 GB/s there
-        inside a layer, the reductions at 12-15). Without native bf16 (a Zen 3) not measured, so not chosen."""
+        into reductions fused with their neighbours (with `steps.LAYER_REALIZE_OPCOUNT`, so the normalized
+        input each reduction reads is computed once, not once per output row): on a Zen 4 (AVX-512 BF16, no
+        AMX) a bf16 layer-scope decode of the default model 24 -> 46-48 tok/s (before the realize threshold,
+        which was measured on the Xeon only); on an AMX Xeon 32.6 -> 36.3 tok/s, 39.1 with the threshold (aten's
+        one-row bf16 product reads ~10 GB/s inside a layer there, the fused reductions ~15). Without native
+        bf16 (a Zen 3) not measured, so not chosen."""
         return self.native_bf16 and self.capability == "AVX512"
 
     @property
@@ -54,7 +55,8 @@ class CpuFeatures:
         in fp32: without native bf16 (`widens_bf16_prefill`: 31.1 against 26.8 tok/s on a Zen 3) and with AMX,
         where aten's bf16 batched products of a decode step's attention cost 45-54 us each inside the layer
         body against 17-19 in fp32 (an AMX Xeon, the default model: int4 layer-scope decode 68.5 -> 84.4
-        tok/s, bf16 31.1 -> 32.6). With AVX-512 BF16 and no AMX (a Zen 4) not measured, so not chosen."""
+        tok/s, bf16 31.1 -> 32.6, separate runs in one hour). With AVX-512 BF16 and no AMX (a Zen 4) not
+        measured, so not chosen."""
         return self.amx or not self.native_bf16
 
     @property
