@@ -105,9 +105,12 @@ def test_layer_compiled_offload_matches_layer_compiled_resident(
 
 def test_weights_stream_through_the_compiled_layer_body(tiny_checkpoints):
     """cpu offload forced onto the CPU: each compiled layer call sees the fetched copies, not the sources,
-    and no hooks (the streaming stays outside the compiled code); both come back after the call."""
+    and no hooks (the streaming stays outside the compiled code); the sources come back after each call, the
+    hooks when an eager forward needs them (before, in between and after, eager generates stream alike)."""
     model = tierlm.load(tiny_checkpoints["qwen3"], dtype="float32", **MAPS["cpu-offload-forced"])
     streamer = model.streamer
+    ids, n = PROMPTS[0]
+    eager = model.generate(ids, max_new_tokens=n, min_new_tokens=n)  # through the hooks
     wrap = streamer.around_layers
     seen: list[tuple[bool, bool]] = []  # per streamed layer call: (weights are copies, no hooks)
 
@@ -124,11 +127,18 @@ def test_weights_stream_through_the_compiled_layer_body(tiny_checkpoints):
         return wrap(spy)
 
     streamer.around_layers = spying
+    before = (streamer.fetches, streamer.prefetched)
     results, graphs = compiled_runs(model)
     assert graphs == 1
     assert len(seen) == sum(n - 1 for _, n in PROMPTS) and all(a and b for a, b in seen)
-    assert_streamed_every_step(model, (0, 0))
-    assert all(m._forward_pre_hooks and m._forward_hooks for m in streamer.modules)  # hooks are back
+    assert_streamed_every_step(model, before)
+    in_layers = [streamer.modules[i] for units in streamer.by_layer.values() for i in units]
+    assert in_layers and not any(m._forward_pre_hooks for m in in_layers)  # off since the last decode step
+    before = (streamer.fetches, streamer.prefetched)
+    again = model.generate(ids, max_new_tokens=n, min_new_tokens=n)  # eager: the hooks come back
+    assert again.token_ids == eager.token_ids  # fp32, the same kernels and placement
+    assert_streamed_every_step(model, before, prompts=PROMPTS[:1])
+    assert all(m._forward_pre_hooks and m._forward_hooks for m in streamer.modules)
     assert all(
         dict(m.named_parameters())[k].data_ptr() == t.data_ptr()
         for m, unit in zip(streamer.modules, streamer.units)

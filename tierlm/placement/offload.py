@@ -62,6 +62,10 @@ class Streamer:
         for i, module in enumerate(self.modules):
             self._hook(i)
             _assign(module, units[i].sources)
+        # A forward without a layer function streams through the hooks: those `around_layers` took off
+        # come back first (a compiled step passes its layer function by keyword, as Decoder.forward's
+        # callers do)
+        decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.by_layer: dict[int, list[int]] = {}  # id(layer module) -> the units at or under that layer
         for i, unit in enumerate(units):
             layer = _LAYER.match(unit.name)
@@ -78,6 +82,12 @@ class Streamer:
         for handle in self.hooks.pop(i):
             handle.remove()
 
+    def _before_forward(self, _module, _args, kwargs) -> None:
+        if kwargs.get("layer_fn") is None and len(self.hooks) < len(self.modules):
+            for i in range(len(self.modules)):
+                if i not in self.hooks:
+                    self._hook(i)
+
     def streams_layers(self) -> bool:
         """Whether any unit is a decoder layer or part of one."""
         return bool(self.by_layer)
@@ -85,7 +95,9 @@ class Streamer:
     def around_layers(self, body: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """A layer function (Decoder.forward's layer_fn) that runs `body(layer, ...)` with the layer's streamed
         weights fetched (the next unit prefetched) before and released after, and with no hooks on the
-        layer while `body` runs: a compiled body then sees the weights as plain inputs, never the streaming."""
+        layer while `body` runs: a compiled body then sees the weights as plain inputs, never the streaming.
+        The hooks stay off until a forward without a layer function needs them (`_before_forward`): taking
+        two hooks off a unit and putting them back on every token cost ~5-9 us a streamed layer."""
 
         def layer_fn(layer: nn.Module, *args) -> torch.Tensor:
             units = self.by_layer.get(id(layer))
@@ -93,12 +105,12 @@ class Streamer:
                 return body(layer, *args)
             for i in units:
                 self.fetch(i)
-                self._unhook(i)
+                if i in self.hooks:
+                    self._unhook(i)
             try:
                 return body(layer, *args)
             finally:
                 for i in units:
-                    self._hook(i)
                     self.release(i)
 
         return layer_fn
