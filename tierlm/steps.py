@@ -157,7 +157,11 @@ class LayerBody:
 
     What a direct call passes is what the graph was traced with, found by identity: each graph input is a
     tensor the first call's layer holds (at an attribute path, the same in every layer alike) or one of its
-    arguments (or an attribute of one: the cache view's tensors). "Alike" is the key: the layer's class,
+    arguments (or an attribute of one: the cache view's tensors). Each layer (with its cache view) resolves
+    those paths once, to the dictionary that holds each tensor (a module's parameters or buffers, an
+    object's attributes) and its name: reading them through nn.Module's attribute lookup cost ~40 us a
+    layer call for 17 inputs (AMX Xeon), ~1.2 ms a token over 30 layers, while a dictionary read follows
+    whatever the streaming puts there. "Alike" is the key: the layer's class,
     its tensors' paths, shapes and dtypes and its plain attributes (flags, eps, window), and the same of
     every argument (a cache view's class, ring size and tensors). A key stays on dynamo's path where its
     first call did not compile exactly one graph (a graph break, or a graph dynamo already had), or where
@@ -174,7 +178,10 @@ class LayerBody:
             kwargs["options"] = options
         self.code_fn = _own_code(run_layer)
         self.dynamo = torch.compile(self.code_fn, backend=backend, **kwargs)
-        self.direct: dict[tuple, tuple | None] = {}  # key -> (graph, getters); None: dynamo's path
+        self.direct: dict[tuple, tuple | None] = {}  # key -> (graph, inputs, held); None: dynamo's path
+        # (id(layer), ids of the arguments whose attributes are inputs) -> (those objects, kept so that
+        # their ids stay theirs, and each input's (dictionary, name), or (None, argument index))
+        self.resolved: dict[tuple, tuple] = {}
         self.kinds: dict[tuple, int] = {}  # a structure (`_structure`) -> a small number standing for it
         self.kind_of: dict[int, int] = {}  # id(layer or cache view) -> its kind (they outlive the step)
         self.graphs: list[tuple | None] = []  # each compiled graph's direct call, by number (None: none)
@@ -185,8 +192,16 @@ class LayerBody:
         key = (self._kind(layer), *[self._arg_key(a) for a in args])
         found = self.direct.get(key, False)
         if found:
-            graph, getters = found
-            return graph(*[get(layer, args) for get in getters])[0]
+            graph, inputs, held = found
+            where = (id(layer), *[id(args[i]) for i in held])
+            resolved = self.resolved.get(where)
+            if resolved is None:
+                resolved = self.resolved[where] = (
+                    layer,
+                    [args[i] for i in held],
+                    _resolve(inputs, layer, args),
+                )
+            return graph(*[args[k] if d is None else d[k] for d, k in resolved[2]])[0]
         if found is None:
             return self.dynamo(layer, *args)
         self.direct[key], self.reports, self.used = None, [], []
@@ -200,7 +215,7 @@ class LayerBody:
                     log.debug("layer body: no direct call for a graph", exc_info=True)
                     self.graphs.append(None)
             # Dynamo ran one graph for the whole layer, by its guards right for this layer: call it
-            # directly from now on (its getters are attribute paths, the same in every layer it fits)
+            # directly from now on (its inputs are attribute paths, the same in every layer it fits)
             if len(self.used) == 1 and len(self.reports) <= 1:
                 self.direct[key] = self.graphs[self.used[0]]
             return out
@@ -232,20 +247,22 @@ class LayerBody:
 
 
 def _direct_call(gm, example_inputs, graph, layer, args) -> tuple | None:
-    """(graph, getters) to call `graph` directly with a layer's tensors, or None where it cannot be."""
+    """(graph, inputs, held) to call `graph` directly with a layer's tensors, or None where it cannot be:
+    each input a `_tensors` path, `held` the arguments some path reads an attribute of."""
     outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     if not (isinstance(outputs, (tuple, list)) and len(outputs) == 1):
         return None
     if any(node.op == "get_attr" for node in gm.graph.nodes):  # tensors of its own: frozen weights
         return None
-    found = {id(t): get for t, get in _tensors(layer, args)}
-    getters = []
+    found = {id(t): path for t, path in _tensors(layer, args)}
+    inputs = []
     for example in example_inputs:
-        get = found.get(id(example)) if isinstance(example, torch.Tensor) else None
-        if get is None:
+        path = found.get(id(example)) if isinstance(example, torch.Tensor) else None
+        if path is None:
             return None
-        getters.append(get)
-    return graph, getters
+        inputs.append(path)
+    held = tuple(sorted({source for source, attribute in inputs if source >= 0 and attribute is not None}))
+    return graph, inputs, held
 
 
 class _RecordingInductor(torch._TorchCompileInductorWrapper):
@@ -309,21 +326,35 @@ def _module_attributes(obj, prefix: str, seen: set[int] | None = None) -> list[t
     return out
 
 
-def _tensors(layer, args) -> list[tuple[torch.Tensor, object]]:
-    """(tensor, getter(layer, args) -> that tensor) for every tensor a layer call can pass to its graph."""
-    out = []
-    for path, t in _module_attributes(layer, ""):
-        if isinstance(t, torch.Tensor):
-            get = operator.attrgetter(path)
-            out.append((t, lambda layer, args, get=get: get(layer)))
+def _tensors(layer, args) -> list[tuple[torch.Tensor, tuple[int, str | None]]]:
+    """(tensor, path) for every tensor a layer call can pass to its graph; a path is (-1, attribute path) in
+    the layer, (i, None) for argument i, (i, attribute path) in argument i."""
+    out = [(t, (-1, path)) for path, t in _module_attributes(layer, "") if isinstance(t, torch.Tensor)]
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            out.append((a, lambda layer, args, i=i: args[i]))
+            out.append((a, (i, None)))
         elif hasattr(a, "__dict__"):
-            for path, t in _module_attributes(a, ""):
-                if isinstance(t, torch.Tensor):
-                    get = operator.attrgetter(path)
-                    out.append((t, lambda layer, args, i=i, get=get: get(args[i])))
+            out.extend((t, (i, path)) for path, t in _module_attributes(a, "") if isinstance(t, torch.Tensor))
+    return out
+
+
+def _resolve(inputs, layer, args) -> list[tuple[dict | None, str | int]]:
+    """Each input path of one layer call as (the dictionary holding the tensor, its name), or (None, i) for
+    argument i. A layer's modules stay what they are once its step is built (build unfuses projections
+    before any call); the tensors in them may be replaced (streamed weights) and are read at every call."""
+    out = []
+    for source, path in inputs:
+        if path is None:
+            out.append((None, source))
+            continue
+        owner_path, _, name = path.rpartition(".")
+        owner = layer if source < 0 else args[source]
+        if owner_path:
+            owner = operator.attrgetter(owner_path)(owner)
+        where = vars(owner)
+        if isinstance(owner, torch.nn.Module):
+            where = next((d for d in (owner._parameters, owner._buffers) if name in d), where)
+        out.append((where, name))
     return out
 
 
