@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 import tierlm
 import tierlm.compile
 from tierlm import CompileConfig, CompileSkippedWarning, GenerationConfig
+from tierlm.placement.offload import _assign
 from tierlm.steps import LayerBody
 
 IDS = torch.tensor([[5, 17, 99, 230, 41, 7, 8]])
@@ -149,6 +150,45 @@ def test_a_layer_body_whose_graph_reads_other_tensors_stays_on_dynamo():
     assert list(body.direct.values()) == [None]
     for o in out:
         torch.testing.assert_close(o, x @ layer.weight + _OFFSET)
+
+
+class _View:  # a cache view's shape: a plain object holding tensors
+    def __init__(self) -> None:
+        self.keys = torch.randn(8)
+
+
+class _TwoPartLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.inner = torch.nn.Linear(8, 8, bias=False).requires_grad_(False)
+        self.register_buffer("shift", torch.randn(8))
+
+    def forward(self, x, rope, mask, cache_view, slots):
+        return self.inner(x @ self.weight) + self.shift + cache_view.keys
+
+
+def test_a_direct_layer_body_call_reads_the_tensors_put_in_place_since():
+    """Direct calls resolve each input once per layer (a module's parameters, its buffers, a view's
+    attributes) and read them at every call: tensors swapped in as the streamer does (`_assign`) or as
+    a view's attribute are what the next call computes with."""
+    body = LayerBody(CompileConfig(scope="layer", cpp_wrapper=False).compile_kwargs("cpu"))
+    layers, view, x = [_TwoPartLayer(), _TwoPartLayer()], _View(), torch.randn(1, 8)
+
+    def expected(layer):
+        return layer.inner(x @ layer.weight) + layer.shift + view.keys
+
+    with torch.inference_mode():
+        for layer in layers * 2:  # the first call through dynamo, the others direct
+            torch.testing.assert_close(body(layer, x, None, None, None, view, None), expected(layer))
+        assert all(body.direct.values()) and len(body.resolved) == 2
+        layer = layers[1]
+        _assign(
+            layer, {"weight": torch.randn(8, 8), "inner.weight": torch.randn(8, 8), "shift": torch.randn(8)}
+        )
+        view.keys = torch.randn(8)
+        torch.testing.assert_close(body(layer, x, None, None, None, view, None), expected(layer))
+        torch.testing.assert_close(body(layers[0], x, None, None, None, view, None), expected(layers[0]))
 
 
 class _BrokenLayer(torch.nn.Module):
