@@ -157,15 +157,15 @@ def body_options(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize(
     "features, compiled_mv, wide",
-    [(AVX2, False, True), (NATIVE_BF16, True, False), (AMX, True, True)],
-    ids=["avx2", "native-bf16", "amx"],
+    [(AVX2, False, True), (NATIVE_BF16, True, True), (AMX, True, True), (ARM, False, False)],
+    ids=["avx2", "native-bf16", "amx", "arm"],
 )
 def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
     monkeypatch, tiny_checkpoints, body_options, features, compiled_mv, wide
 ):
     """A layer-scope step's body uses torch.mv for one-row bf16 products where tierlm.cpu chose it (inductor
     makes it a fused reduction, with a lower realize threshold so the norm before it is computed once), a
-    whole step never does; its attention runs in fp32 where tierlm.cpu chose that (no native bf16, or AMX);
+    whole step never does; its attention runs in fp32 where tierlm.cpu chose that (no native bf16, or AVX512);
     the compiled greedy logits stay within bf16's tolerance of the eager ones (two kernels: not exact)."""
     from tierlm import steps
     from tierlm.compile import CompileConfig

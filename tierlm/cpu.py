@@ -52,12 +52,14 @@ class CpuFeatures:
     @property
     def compiled_wide_attention(self) -> bool:
         """Whether compiled bf16 steps whose matmuls stay aten's (a layer-scope body; mode "default") attend
-        in fp32: without native bf16 (`widens_bf16_prefill`: 31.1 against 26.8 tok/s on a Zen 3) and with AMX,
-        where aten's bf16 batched products of a decode step's attention cost 45-54 us each inside the layer
-        body against 17-19 in fp32 (an AMX Xeon, the default model: int4 layer-scope decode 68.5 -> 84.4
-        tok/s, bf16 31.1 -> 32.6, separate runs in one hour). With AVX-512 BF16 and no AMX (a Zen 4) not
+        in fp32, as eager decode does: faster on every x86 CPU measured. Without native bf16
+        (`widens_bf16_prefill`: 31.1 against 26.8 tok/s on a Zen 3); with AMX, where aten's bf16 batched
+        products of a decode step's attention cost 45-54 us each inside the layer body against 17-19 in fp32
+        (an AMX Xeon, the default model: int4 layer-scope decode 68.5 -> 84.4 tok/s, bf16 31.1 -> 32.6,
+        separate runs in one hour); with AVX-512 BF16 and no AMX (a Zen 4: int4 layer-scope decode 97.7 ->
+        112.3 tok/s, bf16 49.3 -> 50.1, interleaved in one process, 5 runs). On Arm with native bf16 not
         measured, so not chosen."""
-        return self.amx or not self.native_bf16
+        return not self.native_bf16 or self.capability == "AVX512"
 
     @property
     def keeps_q4_packed(self) -> bool:
