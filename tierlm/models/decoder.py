@@ -102,7 +102,7 @@ class Decoder(nn.Module):
         default model: 31.1 tok/s widened against 26.8, interleaved in one process on a Zen 3). A max-autotune step's own C++ GEMM templates
         multiply bf16 faster than widening does (76-86 tok/s against 69), so it leaves this off. bf16_too:
         also where bf16 is native, for the CPUs whose aten bf16 attention products are slower than fp32 ones
-        there too (tierlm.cpu: `compiled_wide_attention`, AMX)."""
+        there too (tierlm.cpu: `compiled_wide_attention`, every AVX512 CPU)."""
         for module in self.modules():
             if hasattr(module, "widen_compiled"):
                 module.widen_compiled = on and (module.widen or bf16_too)
