@@ -169,7 +169,7 @@ inline float hsum(__m256 v) {
 
 // Four rows of an int8 weight for one activation row (before the rows' scales), each row read from start to
 // end. (Reading the four rows interleaved block by block, with four accumulators, ran at under half the
-// speed: the default model's int8 LM head at one row, 2.0 against 0.8 ms on 2 threads of a Zen 4 in an AVX2
+// speed: the default model's int8 LM head at one row, 1.4-2.0 against 0.8 ms on 2 threads of a Zen 4 in an AVX2
 // build; the same sums in the same order, so the same bits.)
 void int8_rows4(const int8_t* w, int64_t k, const int16_t* xq, const float* d, float* out) {
   const int64_t nb = k / QB;
@@ -223,7 +223,7 @@ void int8_tile(const int8_t* w, int64_t k, const int16_t* xq, const float* d, fl
 // One activation row (a batch-1 decode step): each of the 4 weight rows read from start to end. The R-row tile
 // above reads them interleaved block by block, so as to widen each weight block once for all R activation
 // rows; for one row that order ran at under half the speed (the default model's int8 LM head, 2 threads of a
-// Zen 4: 2.4 against 1.0 ms). Each row's sums in the R-row tile's order, so the same bits.
+// Zen 4: 1.2-2.7 against 0.9-1.1 ms). Each row's sums in the R-row tile's order, so the same bits.
 template <>
 void int8_tile<1>(const int8_t* w, int64_t k, const int16_t* xq, const float* d, float* out) {
   const int64_t nb = k / QB;
