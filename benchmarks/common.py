@@ -82,7 +82,15 @@ def cpu_header() -> str:
 
     from tierlm import cpu
 
-    return f"cpu: {cpu.detect().describe()}; torch.backends.cpu.get_cpu_capability() = {torch.backends.cpu.get_cpu_capability()}"
+    header = f"cpu: {cpu.detect().describe()}; torch.backends.cpu.get_cpu_capability() = {torch.backends.cpu.get_cpu_capability()}"
+    limits = [f"{k}={os.environ[k]}" for k in SIMULATING if os.environ.get(k)]
+    if limits:  # a lower instruction set than the CPU's own: say so, the numbers are not this CPU's best
+        header += f"; limited by {' '.join(limits)}"
+    return header
+
+
+# the variables that make this CPU run as a lower one: torch's dispatch, oneDNN's, inductor's -march
+SIMULATING = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CPP_MARCH")
 
 
 def machine_load() -> str:

@@ -48,9 +48,24 @@ def test_detect_asks_torch_and_names_the_cpu():
     assert found.capability == torch.backends.cpu.get_cpu_capability()
     if platform.machine() == "x86_64":
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        assert found.native_bf16 == native
+        assert found.native_bf16 == (native and found.capability == "AVX512")
     assert found.capability in found.describe() and found.name in found.describe()
     assert found.as_dict()["native_bf16"] == found.native_bf16
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 features")
+def test_an_avx2_dispatch_level_hides_the_cpus_avx512_features(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 BF16 CPU: torch's kernels run at AVX2, so detect() reports no
+    native bf16, AMX or VNNI, and the defaults are an AVX2 CPU's (how the benchmarks simulate a Zen 3)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    for feature in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_vnni_supported"):
+        monkeypatch.setattr(torch.cpu, feature, lambda: True)
+    found = cpu.detect.__wrapped__()
+    assert (found.capability, found.native_bf16, found.amx, found.vnni) == ("AVX2", False, False, False)
+    assert found.kernels() == AVX2.kernels() and found.widens_bf16_prefill
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    found = cpu.detect.__wrapped__()
+    assert (found.native_bf16, found.amx, found.vnni) == (True, True, True)
 
 
 @pytest.mark.parametrize(

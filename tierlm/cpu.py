@@ -138,8 +138,12 @@ def detect() -> CpuFeatures:
 
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        amx, vnni = torch.cpu._is_amx_tile_supported(), torch.cpu._is_vnni_supported()
+        # AVX-512 BF16, AMX and VNNI count only where torch dispatches at AVX512: below it (an AVX2-only CPU, or
+        # ATEN_CPU_CAPABILITY=avx2 on any other) torch's kernels do not use them, so neither does tierlm
+        extras = capability == "AVX512"
+        amx = extras and torch.cpu._is_amx_tile_supported()
+        native = extras and (torch.cpu._is_avx512_bf16_supported() or amx)
+        vnni = extras and torch.cpu._is_vnni_supported()
     else:  # torch does not say for Arm: its BF16 extension is the "bf16" feature in /proc/cpuinfo
         native, amx, vnni = "bf16" in _cpuinfo_field("Features").split(), False, False
     name = _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
