@@ -224,7 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default=VARIANTS,
-        help=f"compiled tierlm variants WEIGHTS:SCOPE, comma-separated, or none (default: {VARIANTS})",
+        help=f"compiled tierlm variants WEIGHTS:SCOPE[:KIND], comma-separated, or none (default: {VARIANTS}); "
+        "KIND eager (not compiled), package (an AOTInductor package, as --packages) or cpp (inductor's C++ wrapper)",
     )
     p.add_argument(
         "--compiled", action="store_true", help="old flag, kept for scripts: the default --variants"

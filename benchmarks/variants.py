@@ -21,7 +21,8 @@ QUESTIONS = [  # 37-47 tokens with the chat template, so batches are left-padded
 ]
 WEIGHTS, SCOPES = ("bf16", "int8", "int4"), ("model", "layer")  # SCOPES as tierlm.compile.SCOPES
 VARIANTS = ",".join(f"{w}:{s}" for w in WEIGHTS for s in SCOPES)
-KINDS = ("jit", "package", "eager")  # torch.compile in-process; an AOTInductor package; not compiled
+# torch.compile in-process; an AOTInductor package; not compiled; torch.compile with inductor's C++ wrapper
+KINDS = ("jit", "package", "eager", "cpp")
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class Variant:
     def name(self) -> str:
         if self.kind == "eager":
             return f"tierlm {self.weights} eager"
-        return f"tierlm {self.weights} {self.scope}" + (" package" if self.kind == "package" else "")
+        return f"tierlm {self.weights} {self.scope}" + (
+            f" {self.kind}" if self.kind in ("package", "cpp") else ""
+        )
 
     @property
     def spec(self) -> str:
@@ -60,7 +63,12 @@ class Variant:
 
         if self.kind == "eager":
             return None
-        return CompileConfig(scope=self.scope) if mode is None else CompileConfig(scope=self.scope, mode=mode)
+        cpp = {"cpp_wrapper": True} if self.kind == "cpp" else {}
+        return (
+            CompileConfig(scope=self.scope, **cpp)
+            if mode is None
+            else CompileConfig(scope=self.scope, mode=mode, **cpp)
+        )
 
 
 def chat_prompts(tokenizer, batch: int) -> list[list[int]]:
