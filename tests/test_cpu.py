@@ -172,7 +172,7 @@ def body_options(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize(
     "features, compiled_mv, wide",
-    [(AVX2, False, True), (NATIVE_BF16, True, True), (AMX, True, True), (ARM, False, False)],
+    [(AVX2, True, True), (NATIVE_BF16, True, True), (AMX, True, True), (ARM, False, False)],
     ids=["avx2", "native-bf16", "amx", "arm"],
 )
 def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(

@@ -45,9 +45,14 @@ class CpuFeatures:
         input each reduction reads is computed once, not once per output row): on a Zen 4 (AVX-512 BF16, no
         AMX) a bf16 layer-scope decode of the default model 24 -> 46-48 tok/s (before the realize threshold,
         which was measured on the Xeon only); on an AMX Xeon 32.6 -> 36.3 tok/s, 39.1 with the threshold (aten's
-        one-row bf16 product reads ~10 GB/s inside a layer there, the fused reductions ~15). Without native
-        bf16 (a Zen 3) not measured, so not chosen."""
-        return self.native_bf16 and self.capability == "AVX512"
+        one-row bf16 product reads ~10 GB/s inside a layer there, the fused reductions ~15). On AVX2 (no native
+        bf16) measured only as a simulation so far, a Zen 4 run at AVX2 (`ATEN_CPU_CAPABILITY=avx2`, inductor's
+        `-march=znver3`), 2026-12-04: bf16 layer-scope decode of the default model 58.8 -> 66.5 tok/s resident
+        (medians of 3 interleaved rounds), and with its layers streamed from disk 66.2-70.8 -> 73.2-74.6 tok/s,
+        1.31-1.41x -> 1.39-1.51x its eager offloaded decode (`benchmarks/offload.py --compiled-only
+        --skip-whole-step`, two rounds each); the real Zen 3 measured 1.31-1.38x without it. Other CPUs
+        without native bf16 (AVX512 without BF16, Arm) are not measured, so not chosen."""
+        return self.capability == "AVX2" or (self.native_bf16 and self.capability == "AVX512")
 
     @property
     def compiled_wide_attention(self) -> bool:
