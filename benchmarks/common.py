@@ -76,6 +76,10 @@ def interleave(calls: dict[str, Callable[[], Any]], runs: int, warmup: int = 1) 
     return out
 
 
+# the variables that make this CPU run as a lower one: torch's dispatch, oneDNN's, inductor's -march
+SIMULATING = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CPP_MARCH")
+
+
 def cpu_header() -> str:
     """The CPU the numbers were measured on and what tierlm selects there (tierlm.cpu)."""
     import torch
@@ -87,10 +91,6 @@ def cpu_header() -> str:
     if limits:  # a lower instruction set than the CPU's own: say so, the numbers are not this CPU's best
         header += f"; limited by {' '.join(limits)}"
     return header
-
-
-# the variables that make this CPU run as a lower one: torch's dispatch, oneDNN's, inductor's -march
-SIMULATING = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CPP_MARCH")
 
 
 def machine_load() -> str:

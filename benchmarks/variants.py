@@ -63,12 +63,7 @@ class Variant:
 
         if self.kind == "eager":
             return None
-        cpp = {"cpp_wrapper": True} if self.kind == "cpp" else {}
-        return (
-            CompileConfig(scope=self.scope, **cpp)
-            if mode is None
-            else CompileConfig(scope=self.scope, mode=mode, **cpp)
-        )
+        return CompileConfig(scope=self.scope, mode=mode, cpp_wrapper=True if self.kind == "cpp" else None)
 
 
 def chat_prompts(tokenizer, batch: int) -> list[list[int]]:
