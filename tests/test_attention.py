@@ -46,3 +46,39 @@ def test_grouped_decode_tokens_equal_sdpa_default_model(dtype):
         grouped, greedy(model, prompt, max_new_tokens=32), dtype
     )  # bf16: logits, tests/agreement.py
     assert tierlm.load(dtype=dtype).decoder.model.layers[0].self_attn.grouped_decode  # a per-model setting
+
+
+def use_attention_kernel(model, on: bool) -> None:
+    for layer in model.decoder.model.layers:
+        layer.self_attn.kernel = on
+
+
+@pytest.mark.parametrize("scope", ["eager", "layer", "model"])
+def test_decode_steps_attend_through_the_kernel_where_it_is_built(tiny_checkpoints, scope):
+    """Where tierlm's CPU kernels are built (x86 with AVX2), every kind of decode step attends through its
+    decode attention kernel: eager, a compiled layer body, a compiled whole step (inside the nested region its
+    layers share); the graphs hold the kernel and no matmul. Its greedy logits agree with the matmul path's
+    (kernel off) within bf16's tolerance (tests/agreement.py)."""
+    from tierlm import CompileConfig, kernels
+    from tierlm.models.layers import attention_kernel
+
+    if kernels.selected() is None:
+        pytest.skip("tierlm's CPU kernels are not used on this CPU")
+    assert attention_kernel()
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
+    assert all(layer.self_attn.kernel for layer in model.decoder.model.layers)
+    calls = []
+
+    def recorder(gm, example_inputs):
+        for graph in (m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)):
+            calls.extend(str(node.target) for node in graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    prompts = [[5, 17, 99, 230, 41, 7, 8], [300, 12, 45]]
+    cc = None if scope == "eager" else CompileConfig(backend=recorder, scope=scope)
+    with_kernel = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12, compile_config=cc)
+    if cc is not None:
+        assert any("decode_attention" in c for c in calls) and not any("matmul" in c for c in calls), calls
+    use_attention_kernel(model, False)
+    reference = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12)
+    assert_greedy_agrees(reference, with_kernel, "bfloat16")

@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 import tierlm
 from tierlm import cpu
 from tierlm.cpu import CpuFeatures
+from tierlm.models import layers
 
 AVX2 = CpuFeatures("simulated AMD Zen 3", "AVX2", native_bf16=False)
 NATIVE_BF16 = CpuFeatures("simulated AMD Zen 4", "AVX512", native_bf16=True, vnni=True)
@@ -303,13 +304,15 @@ def test_a_decode_step_of_many_rows_widens_small_weights_only():
 def test_compiled_attention_widens_where_the_matmuls_stay_atens(
     monkeypatch, tiny_checkpoints, scope, mode, widened
 ):
-    """Without native bf16, a compiled decode step attends in fp32 when its mode leaves the matmuls to aten
+    """Without native bf16 and without tierlm's attention kernel (Arm, TIERLM_CPU_KERNELS=aten, a failed build),
+    a compiled decode step attends in fp32 when its mode leaves the matmuls to aten
     (slow in bf16 there), and in bf16 under max-autotune, whose C++ GEMM templates are faster on bf16 itself:
     the dtypes of the attention matmuls in the graph the compiler receives (a whole step's are in the nested
     region its layers share: layers.decode_attention_region)."""
     from tierlm import CompileConfig
 
     monkeypatch.setattr(cpu, "detect", lambda: AVX2)
+    monkeypatch.setattr(layers, "attention_kernel", lambda: False)  # where tierlm's kernel is not built
     model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
     dtypes = set()
 

@@ -214,6 +214,74 @@ def test_a_compiled_graph_calls_the_kernels(ops, monkeypatch):
     torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=1e-3)
 
 
+def exact_attention(q, k, v, mask, scale=None):
+    """Decode attention in float64: q [b, H, 1, d], k/v [b, KV, L, d], mask [b, 1, 1, L]."""
+    from tierlm.models.layers import grouped_attention
+
+    return grouped_attention(q.double(), k.double(), v.double(), mask, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "b, h, kv, length, d",
+    [(1, 9, 3, 256, 64), (2, 4, 1, 200, 256), (3, 8, 8, 37, 64), (2, 16, 2, 130, 128), (1, 5, 5, 1, 8)],
+)
+def test_decode_attention_matches_the_exact_attention(ops, dtype, b, h, kv, length, d):
+    """tierlm's decode attention kernel against float64 attention: random masks whose rows differ, caches
+    of one to four chunks of 64 slots (a chunk may be all masked: the merge skips it), 1 to 8 query heads per
+    K/V head. It works in fp32 and rounds once to q's dtype: fp32 within 1e-5 of each output's scale, bf16
+    within half an ulp (2^-8 relative) more."""
+    gen = torch.Generator().manual_seed(b * 1000 + length)
+    q = torch.randn(b, h, 1, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, kv, length, d, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(b, 1, 1, length, generator=gen) < 0.6
+    mask[0, ..., : min(length, 64)] = False  # the first row's first chunk masked whole
+    mask[..., -1] = True
+    out = ops.decode_attention(q[:, :, 0], k, v, mask, d**-0.5)
+    assert out.dtype == dtype and out.shape == (b, h, d)
+    ref = exact_attention(q, k, v, mask)[:, :, 0]
+    rtol = 0.0 if dtype == torch.float32 else 2.0**-8
+    err = (out.double() - ref).abs()
+    assert (err <= 1e-5 * v.double().abs().amax() + rtol * ref.abs()).all(), err.max()
+
+
+def test_decode_attention_reads_a_strided_cache_and_its_own_scale(ops):
+    """The first `length` slots of a larger static cache (a strided view, as an eager step reads it), a
+    batch-broadcast mask, bf16 q over an fp32 cache, an explicit scale (Gemma's query_pre_attn_scalar)."""
+    gen = torch.Generator().manual_seed(7)
+    cache_k, cache_v = (torch.randn(2, 2, 96, 32, generator=gen) for _ in range(2))
+    k, v = cache_k[:, :, :70], cache_v[:, :, :70]
+    q = torch.randn(2, 6, 1, 32, generator=gen).to(torch.bfloat16)
+    row = torch.rand(1, 1, 1, 70, generator=gen) < 0.5
+    row[..., 3] = True
+    mask = row.expand(2, 1, 1, 70)  # stride 0 between batch rows
+    out = ops.decode_attention(q[:, :, 0], k, v, mask, 0.25)
+    ref = exact_attention(q, k, v, mask, scale=0.25)[:, :, 0]
+    assert (out.double() - ref).abs().max() <= 1e-5 + 2.0**-8 * ref.abs().max()
+
+
+def test_decode_attention_over_no_slot_is_nan_like_softmax(ops):
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 5, 8)
+    mask = torch.zeros(1, 1, 1, 5, dtype=torch.bool)
+    assert torch.isnan(ops.decode_attention(q, k, k, mask, 1.0)).all()
+    assert torch.isnan(exact_attention(q[:, :, None], k, k, mask)).all()
+
+
+def test_decode_attention_bad_inputs_are_one_clear_error(ops):
+    q, k = torch.randn(1, 9, 64), torch.randn(1, 3, 16, 64)
+    mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="H / KV at most 8"):
+        ops.decode_attention(
+            torch.randn(1, 18, 64), torch.randn(1, 1, 16, 64), torch.randn(1, 1, 16, 64), mask, 1.0
+        )
+    with pytest.raises(RuntimeError, match="d a multiple of 8"):
+        ops.decode_attention(q[..., :60], k[..., :60], k[..., :60], mask, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        ops.decode_attention(q, k, k, mask.float(), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.decode_attention(q.double(), k.double(), k.double(), mask, 1.0)
+
+
 def test_the_cache_listing_names_built_kernels(tmp_path):
     from tierlm.cache_folder import cache_entries, clear_cache
 

@@ -109,7 +109,12 @@ class CpuFeatures:
         one_row = "one-row ones by torch.mv" if self.eager_mv else "one-row ones by F.linear"
         if self.compiled_layer_mv:
             one_row += ", by inductor's reductions in layer-scope steps"
-        attention = "its attention in fp32" if self.compiled_wide_attention else "its eager attention in fp32"
+        if self.int_kernels:
+            attention = "decode attention by tierlm's kernel (fp32)"
+        elif self.compiled_wide_attention:
+            attention = "its attention in fp32"
+        else:
+            attention = "its eager attention in fp32"
         if self.widens_bf16_prefill:
             return (
                 f"GGUF default dtype bfloat16; bf16 decode products in bf16 ({one_row}), "

@@ -1,4 +1,5 @@
-"""tierlm's own CPU kernels: int4 and int8 weight-only products for x86 CPUs (`avx2_quant.cpp`).
+"""tierlm's own CPU kernels: int4 and int8 weight-only products and a decode step's attention, for x86 CPUs
+(`avx2_quant.cpp`).
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have no fast path without AVX-512, and
 inductor has no AVX2 int4 template, so on an AVX2 CPU decode spends most of its time widening weights to
@@ -103,6 +104,10 @@ def _build():
     @torch.library.register_fake(f"{LIBRARY}::int8_mm")
     def _(x, weight, scales):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake(f"{LIBRARY}::decode_attention")
+    def _(q, keys, values, mask, scale):
+        return q.new_empty(q.shape)
 
     return ops
 

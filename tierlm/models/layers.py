@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm import kernels
 from tierlm.config import ModelConfig, RopeScaling
 
 
@@ -243,6 +244,7 @@ def grouped_attention(
     scale: float | None = None,
     softcap: float | None = None,
     wide: bool = False,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Attention for grouped-query heads without expanding K/V.
 
@@ -250,8 +252,15 @@ def grouped_attention(
     H/KV query heads as one matmul, so the cache is read once per group. scale: on the scores (default
     d ** -0.5); softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma). wide: in
     fp32, returning q's dtype (bf16 on a CPU without native bf16, whose bf16 matmuls of these shapes are 2-3x
-    slower than widening q, K and V and multiplying in fp32: `Attention.widen`).
+    slower than widening q, K and V and multiplying in fp32: `Attention.widen`). kernel: a decode step (s == 1)
+    attends through tierlm's CPU kernel where it fits (`fits_attention_kernel`), in fp32 whatever `wide`.
     """
+    if kernel and softcap is None and fits_attention_kernel(q, k, v, mask):
+        d = q.shape[-1]
+        out = torch.ops.tierlm_avx2.decode_attention(
+            q[:, :, 0], k, v, mask, d**-0.5 if scale is None else scale
+        )
+        return out.unsqueeze(2)
     dtype = q.dtype
     if wide:
         q, k, v = q.float(), k.float(), v.float()
@@ -268,6 +277,40 @@ def grouped_attention(
     return out.to(dtype) if wide else out  # no dtype round trip on the narrow path (a decode hot path)
 
 
+def attention_kernel() -> bool:
+    """Whether this process's decode steps attend through tierlm's CPU kernel
+    (`tierlm.kernels`, decode_attention): where it runs tierlm's kernels (`cpu.CpuFeatures.int_kernels`) and
+    they are built. One kernel call replaces two batched products and a softmax, reads each K/V head once for
+    its query heads, in fp32 (SmolLM2's 9 heads of 64 over 256 bf16 slots, 2 threads of a Zen 4 at AVX2: 12
+    against 76 us eager widened), and leaves inductor no GEMM template to render per layer."""
+    return kernels.selected() is not None
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fits_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether tierlm's decode attention kernel takes these: one query position, CPU tensors of fp32 or bf16,
+    up to 8 query heads per K/V head, a head size a multiple of 8, K and V rows contiguous and alike."""
+    b, h, s, d = q.shape
+    return (
+        s == 1
+        and q.device.type == "cpu"
+        and q.dtype in _KERNEL_DTYPES
+        and k.dtype == v.dtype
+        and k.dtype in _KERNEL_DTYPES
+        and mask.dtype == torch.bool
+        and mask.numel() == b * k.shape[2]
+        and h % k.shape[1] == 0
+        and h // k.shape[1] <= 8
+        and d % 8 == 0
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and k.stride(2) == v.stride(2)
+    )
+
+
 def wide_decode_attention(q: torch.Tensor) -> bool:
     """Whether an eager bf16 decode step attends in fp32 on a CPU that has native bf16 too (without it,
     `Attention.widen` already does): the tiny matmuls of a decode step, with a fresh shape every step, run
@@ -281,18 +324,20 @@ def wide_decode_attention(q: torch.Tensor) -> bool:
 _nested_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
 
 
-def _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
+def _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide: bool, kernel: bool) -> torch.Tensor:
     """One layer's compiled decode attention from q [b, s, H, d], k and v [b, s, KV, d]: rotary, this step's
     K/V written into the layer's static cache in place, grouped attention over the whole cache."""
     q = apply_rope(q.transpose(1, 2), cos, sin)
     k = apply_rope(k.transpose(1, 2), cos, sin)
     keys.index_copy_(2, slots, k)
     values.index_copy_(2, slots, v.transpose(1, 2))
-    return grouped_attention(q, keys, values, mask, wide=wide)
+    return grouped_attention(q, keys, values, mask, wide=wide, kernel=kernel)
 
 
 @_nested_region
-def decode_attention_region(qkv, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
+def decode_attention_region(
+    qkv, cos, sin, mask, keys, values, slots, wide: bool, kernel: bool
+) -> torch.Tensor:
     """A whole compiled decode step's attention for one layer, from its fused q/k/v product to the attention
     output [b, H, 1, d] (`_decode_attention`). A nested compile region: inductor compiles it once and every
     layer calls that code, where it would otherwise lower, fuse and generate the same attention once per layer
@@ -318,16 +363,19 @@ def decode_attention_region(qkv, cos, sin, mask, keys, values, slots, wide: bool
         values,
         slots,
         wide,
+        kernel,
     )
 
 
 @_nested_region
-def split_decode_attention_region(q, k, v, cos, sin, mask, keys, values, slots, wide: bool) -> torch.Tensor:
+def split_decode_attention_region(
+    q, k, v, cos, sin, mask, keys, values, slots, wide: bool, kernel: bool
+) -> torch.Tensor:
     """`decode_attention_region` for separate q/k/v products (a layer whose projections are not fused)."""
     b, s, _ = q.shape
     kv, d = keys.shape[1], keys.shape[3]
     q, k, v = q.view(b, s, -1, d), k.view(b, s, kv, d), v.view(b, s, kv, d)
-    return _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide)
+    return _decode_attention(q, k, v, cos, sin, mask, keys, values, slots, wide, kernel)
 
 
 class Attention(nn.Module):
@@ -358,6 +406,7 @@ class Attention(nn.Module):
         # A whole compiled step's decode attention as one region compiled once for all layers
         # (`decode_attention_region`; tierlm.steps.build sets it for CPU whole steps)
         self.region = False
+        self.kernel = attention_kernel()  # decode steps attend through tierlm's CPU kernel where it fits
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
@@ -379,7 +428,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if s == 1 and self.region and torch.compiler.is_compiling() and self._regular(cache, length):
             view = cache.views[self.layer_idx]
-            state = (*rope, mask, view.keys, view.values, slots, self.widen_compiled)
+            state = (*rope, mask, view.keys, view.values, slots, self.widen_compiled, self.kernel)
             if self.fused is not None:
                 out = decode_attention_region(self.fused(x, self.widen, self.vector), *state)
             else:
@@ -401,7 +450,8 @@ class Attention(nn.Module):
                 wide = self.widen_compiled
             else:  # eager decode on the CPU attends in fp32 whatever the CPU (`wide_decode_attention`)
                 wide = self.widen or (s == 1 and wide_decode_attention(q))
-            out = grouped_attention(q, k, v, mask, self.scale, self.softcap, wide)  # decode: never expand K/V
+            # decode: never expand K/V
+            out = grouped_attention(q, k, v, mask, self.scale, self.softcap, wide, self.kernel)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
