@@ -67,6 +67,21 @@ def test_cpp_wrapper_defaults_on_for_a_cpu_layer_body_only():
     assert wrapper(CompileConfig(cpp_wrapper=True), "cpu") is True
 
 
+def test_cpu_steps_have_python_wrappers_without_size_asserts_unless_asked():
+    """A CPU step's Python wrapper runs every decode step: inductor's size, stride and alignment checks of
+    each extern kernel's output are off there (compile.CPU_WRAPPER_OPTIONS); CUDA keeps inductor's
+    defaults, and a CompileConfig's own options win."""
+
+    def options(cc, device):
+        return cc.compile_kwargs(device)["options"]
+
+    for cc in (CompileConfig(), CompileConfig(scope="layer")):
+        assert options(cc, "cpu")["size_asserts"] is False and options(cc, "cpu")["alignment_asserts"] is False
+        assert "size_asserts" not in options(cc, "cuda:0")
+    asked = CompileConfig(options={"size_asserts": True})
+    assert options(asked, "cpu")["size_asserts"] is True and options(asked, "cpu")["alignment_asserts"] is False
+
+
 def test_all_cpu_with_compile_config_compiles():
     all_cpu = dict.fromkeys(SEED_MAP, "cpu")
     assert decide(all_cpu, "static", STATIC.replace(compile_config=CompileConfig())).compile

@@ -57,6 +57,7 @@ CODE = (
     "kernels/avx2_quant.cpp",  # a package calls tierlm's AVX2 kernels by name
     "cache.py",
     "aot.py",
+    "compile.py",  # the inductor options a package is built with
     "step_export.py",
     "generation/slots.py",
 )
