@@ -76,10 +76,14 @@ def test_cpu_steps_have_python_wrappers_without_size_asserts_unless_asked():
         return cc.compile_kwargs(device)["options"]
 
     for cc in (CompileConfig(), CompileConfig(scope="layer")):
-        assert options(cc, "cpu")["size_asserts"] is False and options(cc, "cpu")["alignment_asserts"] is False
+        assert (
+            options(cc, "cpu")["size_asserts"] is False and options(cc, "cpu")["alignment_asserts"] is False
+        )
         assert "size_asserts" not in options(cc, "cuda:0")
     asked = CompileConfig(options={"size_asserts": True})
-    assert options(asked, "cpu")["size_asserts"] is True and options(asked, "cpu")["alignment_asserts"] is False
+    assert (
+        options(asked, "cpu")["size_asserts"] is True and options(asked, "cpu")["alignment_asserts"] is False
+    )
 
 
 def test_all_cpu_with_compile_config_compiles():
