@@ -267,6 +267,23 @@ def test_decode_attention_over_no_slot_is_nan_like_softmax(ops):
     assert torch.isnan(exact_attention(q[:, :, None], k, k, mask)).all()
 
 
+def test_decode_attention_keeps_a_nan_where_softmax_attention_has_one(ops):
+    """A NaN in one query head or in an attended key makes those heads' outputs NaN, as in the matmul path;
+    the other heads stay finite."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, 4, 1, 16, generator=gen),
+        *(torch.randn(1, 2, 80, 16, generator=gen) for _ in range(2)),
+    )
+    mask = torch.ones(1, 1, 1, 80, dtype=torch.bool)
+    q[0, 1, 0, 3] = float("nan")  # query head 1 (K/V head 0)
+    k[0, 1, 70, 0] = float("nan")  # K/V head 1: query heads 2 and 3
+    out = ops.decode_attention(q[:, :, 0], k, v, mask, 0.25)
+    ref = exact_attention(q, k, v, mask, scale=0.25)[:, :, 0]
+    assert torch.equal(out.isnan().any(-1), torch.tensor([[False, True, True, True]]))
+    assert torch.equal(ref.isnan().any(-1), out.isnan().any(-1))
+
+
 def test_decode_attention_bad_inputs_are_one_clear_error(ops):
     q, k = torch.randn(1, 9, 64), torch.randn(1, 3, 16, 64)
     mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)

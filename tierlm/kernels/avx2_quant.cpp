@@ -383,10 +383,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 constexpr int64_t CHUNK = 64;
 
 // e^x for x <= 0 (scores less their max), 8 lanes: Cephes' expf (range reduction by ln 2, a degree-6
-// polynomial; within 2 ulp of the exact value); below -87 the result is 0
+// polynomial; within 2 ulp of the exact value); below -87 the result is 0, a NaN stays NaN
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // max_ps returns its second operand where either is NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -300,6 +300,7 @@ def fits_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         and k.dtype == v.dtype
         and k.dtype in _KERNEL_DTYPES
         and mask.dtype == torch.bool
+        and mask.shape[-1] == k.shape[2]
         and mask.numel() == b * k.shape[2]
         and h % k.shape[1] == 0
         and h // k.shape[1] <= 8
