@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tierlm import cpu
+from tierlm.models import layers
 from tierlm.models.decoder import Decoder
 from tierlm.module_names import under
 from tierlm.placement.offload import Streamer, Unit
@@ -70,6 +71,7 @@ def build_step(plan: LoadPlan, loading: Loading) -> None:
     loading.decoder = build_decoder(loading.checkpoint, plan.dtype, devices, loading.progress, pin_cpu=pin)
     if placement.device.type == "cpu":  # one-row bf16 products: torch.mv or F.linear, as this CPU is faster
         loading.decoder.vector_products(eager=cpu.detect().eager_mv)
+        loading.decoder.attention_kernels(layers.attention_kernel())  # built here on first use
 
 
 def _param_device(placement: Placement, name: str):

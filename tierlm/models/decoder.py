@@ -114,6 +114,13 @@ class Decoder(nn.Module):
             if hasattr(module, "region"):
                 module.region = on
 
+    def attention_kernels(self, on: bool) -> None:
+        """Whether decode steps attend through tierlm's CPU kernel (`layers.attention_kernel`; set by
+        `load()` for a model whose forward runs on the CPU)."""
+        for module in self.modules():
+            if hasattr(module, "kernel") and hasattr(module, "region"):  # Attention
+                module.kernel = on
+
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
         device = torch.device(device)

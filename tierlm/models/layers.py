@@ -278,9 +278,9 @@ def grouped_attention(
 
 
 def attention_kernel() -> bool:
-    """Whether this process's decode steps attend through tierlm's CPU kernel
-    (`tierlm.kernels`, decode_attention): where it runs tierlm's kernels (`cpu.CpuFeatures.int_kernels`) and
-    they are built. One kernel call replaces two batched products and a softmax, reads each K/V head once for
+    """Whether this process's CPU decode steps attend through tierlm's kernel (`tierlm.kernels`,
+    decode_attention): where it runs tierlm's kernels (`cpu.CpuFeatures.int_kernels`) and they are built
+    (on first use, once per machine). One kernel call replaces two batched products and a softmax, reads each K/V head once for
     its query heads, in fp32 (SmolLM2's 9 heads of 64 over 256 bf16 slots, 2 threads of a Zen 4 at AVX2: 12
     against 76 us eager widened), and leaves inductor no GEMM template to render per layer."""
     return kernels.selected() is not None
@@ -407,7 +407,8 @@ class Attention(nn.Module):
         # A whole compiled step's decode attention as one region compiled once for all layers
         # (`decode_attention_region`; tierlm.steps.build sets it for CPU whole steps)
         self.region = False
-        self.kernel = attention_kernel()  # decode steps attend through tierlm's CPU kernel where it fits
+        # decode steps attend through tierlm's CPU kernel where it fits (Decoder.attention_kernels)
+        self.kernel = False
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
