@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from agreement import assert_greedy_agrees, greedy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tierlm
 from tierlm.models.layers import grouped_attention
@@ -74,11 +77,21 @@ def test_decode_steps_attend_through_the_kernel_where_it_is_built(tiny_checkpoin
             calls.extend(str(node.target) for node in graph.nodes if node.op == "call_function")
         return gm.forward
 
+    class Ops(TorchDispatchMode):  # the ops an eager step dispatches
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
     prompts = [[5, 17, 99, 230, 41, 7, 8], [300, 12, 45]]
     cc = None if scope == "eager" else CompileConfig(backend=recorder, scope=scope)
-    with_kernel = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12, compile_config=cc)
-    if cc is not None:
-        assert any("decode_attention" in c for c in calls) and not any("matmul" in c for c in calls), calls
+    with Ops() if cc is None else contextlib.nullcontext():
+        with_kernel = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12, compile_config=cc)
+    assert any("decode_attention" in c for c in calls), calls
+    assert not any("matmul" in c or "bmm" in c for c in calls if cc is not None), calls
+    # eager: 11 decode steps of 2 layers each attend through the kernel (prefill runs SDPA)
+    assert cc is not None or sum("decode_attention" in c for c in calls) == 11 * len(
+        model.decoder.model.layers
+    )
     use_attention_kernel(model, False)
     reference = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12)
     assert_greedy_agrees(reference, with_kernel, "bfloat16")

@@ -284,6 +284,17 @@ def test_decode_attention_keeps_a_nan_where_softmax_attention_has_one(ops):
     assert torch.equal(ref.isnan().any(-1), out.isnan().any(-1))
 
 
+def test_decode_attention_keeps_a_chunk_whose_only_score_is_nan(ops):
+    """The newest key NaN and alone in its 64-slot chunk: that chunk's max is NaN, not "no slot", so every
+    query head of its K/V head comes out NaN, as in the matmul path."""
+    q, k, v = torch.randn(1, 2, 16), torch.randn(1, 1, 80, 16), torch.randn(1, 1, 80, 16)
+    k[0, 0, 64, 5] = float("nan")
+    mask = torch.zeros(1, 1, 1, 80, dtype=torch.bool)
+    mask[..., :65] = True
+    assert torch.isnan(ops.decode_attention(q, k, v, mask, 0.25)).all()
+    assert torch.isnan(exact_attention(q[:, :, None], k, v, mask, scale=0.25)).all()
+
+
 def test_decode_attention_bad_inputs_are_one_clear_error(ops):
     q, k = torch.randn(1, 9, 64), torch.randn(1, 3, 16, 64)
     mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
@@ -293,6 +304,8 @@ def test_decode_attention_bad_inputs_are_one_clear_error(ops):
         )
     with pytest.raises(RuntimeError, match="d a multiple of 8"):
         ops.decode_attention(q[..., :60], k[..., :60], k[..., :60], mask, 1.0)
+    with pytest.raises(RuntimeError, match="L > 0"):
+        ops.decode_attention(q, k[:, :, :0], k[:, :, :0], mask[..., :0], 1.0)
     with pytest.raises(RuntimeError, match="mask must be bool"):
         ops.decode_attention(q, k, k, mask.float(), 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

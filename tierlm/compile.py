@@ -109,8 +109,10 @@ class CompileConfig:
         options = dict(torch._inductor.list_mode_options(self.resolved_mode(device)))
         freezing = self.resolved_freezing(device)
         options.update({"freezing": freezing, "cpp_wrapper": self.resolved_cpp_wrapper(device)})
-        if device.startswith("cpu"):
-            options.update(CPU_WRAPPER_OPTIONS)
+        if device.startswith("cpu"):  # the options this torch's inductor has
+            options.update(
+                {k: v for k, v in CPU_WRAPPER_OPTIONS.items() if hasattr(torch._inductor.config, k)}
+            )
         options.update(self.options or {})
         kwargs["options"] = options
         return kwargs

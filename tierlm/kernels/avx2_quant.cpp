@@ -434,8 +434,8 @@ void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const boo
     for (int g = 0; g < G; ++g) s[g][j] = neg_inf;
   const int64_t nj = (n + 7) / 8;
   for (int g = 0; g < G; ++g) {
-    float mx = neg_inf;
-    for (int64_t j = 0; j < n; ++j) mx = s[g][j] > mx ? s[g][j] : mx;
+    float mx = neg_inf;  // a NaN score wins, so that the merge makes the head's output NaN
+    for (int64_t j = 0; j < n; ++j) mx = (s[g][j] > mx || std::isnan(s[g][j])) ? s[g][j] : mx;
     part[g].max = mx;
     __m256 sum = _mm256_setzero_ps();
     if (mx != neg_inf) {  // every slot masked: the weights stay -inf and are never used
@@ -551,8 +551,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: q must be [B, H, d], keys and values [B, KV, L, d], on the CPU");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(1), len = keys.size(2);
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(3) == d && h % kvh == 0 &&
-                  h / kvh <= 8 && d % 8 == 0,
-              "decode_attention: K and V must be [B, KV, L, d] with d a multiple of 8 and H / KV at most 8");
+                  h / kvh <= 8 && d % 8 == 0 && d > 0 && len > 0,
+              "decode_attention: K and V must be [B, KV, L, d] with L > 0, d a multiple of 8 and H / KV at most 8");
   TORCH_CHECK(q.stride(2) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
               "decode_attention: the head dimension must be contiguous");
   TORCH_CHECK(keys.stride(2) == values.stride(2), "decode_attention: K and V must have the same slot stride");

@@ -295,6 +295,11 @@ def fits_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     b, h, s, d = q.shape
     return (
         s == 1
+        and k.shape == v.shape
+        and k.shape[0] == b
+        and k.shape[2] > 0
+        and k.shape[3] == d
+        and mask.shape[0] == b
         and q.device.type == "cpu"
         and q.dtype in _KERNEL_DTYPES
         and k.dtype == v.dtype
