@@ -137,15 +137,24 @@ def layer_bodies(monkeypatch) -> list:
 
 @pytest.fixture
 def attention_lengths(monkeypatch) -> list[int]:
-    """The key length (cache slots) each grouped-attention call reads, in call order, from here on."""
+    """The key length (cache slots) each grouped-attention call reads, in call order, from here on: through
+    `grouped_attention`, or through the kernel that also rotates and writes the step's K/V
+    (`rope_attention`, which attends over the mask's length)."""
     from tierlm.models import layers
 
     seen: list[int] = []
-    attend = layers.grouped_attention
+    attend, fused = layers.grouped_attention, layers.rope_attention
 
     def spy(q, k, v, mask, *args, **kwargs):
         seen.append(k.shape[2])
         return attend(q, k, v, mask, *args, **kwargs)
 
+    def fused_spy(q, k, v, cos, sin, keys, values, slots, mask, *args, **kwargs):
+        out = fused(q, k, v, cos, sin, keys, values, slots, mask, *args, **kwargs)
+        if out is not None:
+            seen.append(mask.shape[-1])
+        return out
+
     monkeypatch.setattr(layers, "grouped_attention", spy)
+    monkeypatch.setattr(layers, "rope_attention", fused_spy)
     return seen

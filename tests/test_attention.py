@@ -58,10 +58,11 @@ def use_attention_kernel(model, on: bool) -> None:
 
 @pytest.mark.parametrize("scope", ["eager", "layer", "model"])
 def test_decode_steps_attend_through_the_kernel_where_it_is_built(tiny_checkpoints, scope):
-    """Where tierlm's CPU kernels are built (x86 with AVX2), every kind of decode step attends through its
-    decode attention kernel: eager, a compiled layer body, a compiled whole step (inside the nested region its
-    layers share); the graphs hold the kernel and no matmul. Its greedy logits agree with the matmul path's
-    (kernel off) within bf16's tolerance (tests/agreement.py)."""
+    """Where tierlm's CPU kernels are built (x86 with AVX2), every kind of decode step rotates, writes its K/V
+    and attends in one call of the kernel (decode_rope_attention): eager, a compiled layer body, a compiled
+    whole step (inside the nested region its layers share); the graphs hold the kernel and no matmul, roll or
+    index_copy. Its greedy logits agree with the matmul path's (kernel off) within bf16's tolerance
+    (tests/agreement.py)."""
     from tierlm import CompileConfig, kernels
     from tierlm.models.layers import attention_kernel
 
@@ -86,10 +87,10 @@ def test_decode_steps_attend_through_the_kernel_where_it_is_built(tiny_checkpoin
     cc = None if scope == "eager" else CompileConfig(backend=recorder, scope=scope)
     with Ops() if cc is None else contextlib.nullcontext():
         with_kernel = greedy(model, prompts, max_new_tokens=12, min_new_tokens=12, compile_config=cc)
-    assert any("decode_attention" in c for c in calls), calls
-    assert not any("matmul" in c or "bmm" in c for c in calls if cc is not None), calls
+    assert any("decode_rope_attention" in c for c in calls), calls
+    assert not any(op in c for c in calls for op in ("matmul", "bmm", "roll", "index_copy") if cc is not None)
     # eager: 11 decode steps of 2 layers each attend through the kernel (prefill runs SDPA)
-    assert cc is not None or sum("decode_attention" in c for c in calls) == 11 * len(
+    assert cc is not None or sum("decode_rope_attention" in c for c in calls) == 11 * len(
         model.decoder.model.layers
     )
     use_attention_kernel(model, False)

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch._dynamo
+from agreement import assert_greedy_agrees, greedy
 from conftest import SEED_MAP
 from torch._dynamo.utils import counters
 
@@ -356,7 +357,8 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
     calls the same subgraph once per layer and the subgraph holds no weight; tokens and log probabilities
     are exactly those of the same step without the region (the same ops, in any dtype), and in fp32 the
     tokens are those of eager decode.
-    A family with q/k norms calls no region."""
+    A family with q/k norms calls no region. (With tierlm's attention kernel, which the next test covers, no
+    layer calls a region: the kernel is off here.)"""
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     from tierlm.models.decoder import Decoder
@@ -369,6 +371,7 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
         return gm.forward
 
     model = tierlm.load(tiny_checkpoints[family], dtype=dtype)
+    model.decoder.attention_kernels(False)
     fused = {layer.self_attn.fused is not None for layer in model.decoder.model.layers}
     assert fused == {regions != "split"}
     with_region = run(model, n=6, logprobs=3, compile_config=CompileConfig(backend=capture))
@@ -382,6 +385,7 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
     real = Decoder.attention_regions
     monkeypatch.setattr(Decoder, "attention_regions", lambda self, on: real(self, False))
     without = tierlm.load(tiny_checkpoints[family], dtype=dtype)
+    without.decoder.attention_kernels(False)
     inline = run(without, n=6, logprobs=3, compile_config=CompileConfig(backend=capture))
     calls = [n for n in graphs[-1].graph.nodes if n.op == "call_function" and n.target is invoke_subgraph]
     assert not calls
@@ -389,6 +393,42 @@ def test_whole_step_compiles_decode_attention_once_for_all_layers(
     assert with_region.logprobs == inline.logprobs  # every step's log probabilities and top 3, exactly
     if dtype == "float32":
         assert with_region.token_ids == run(model, n=6).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_whole_step_attends_through_the_fused_kernel_without_regions(tiny_checkpoints, family):
+    """Where tierlm's CPU kernels run, a CPU whole step calls no nested region: each layer's rotary, K/V write
+    and attention are one call of decode_rope_attention (in the step's own graph, with no roll, index_copy or
+    matmul left), q/k norms (qwen3) or not. Its greedy logits agree with the region's matmul path (kernel off)
+    within bf16's tolerance (tests/agreement.py)."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from tierlm import kernels
+
+    if kernels.selected() is None:
+        pytest.skip("tierlm's CPU kernels are not used on this CPU")
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tierlm.load(tiny_checkpoints[family], dtype="bfloat16")
+    assert model.decoder.attends_through_kernel()
+    prompts = [[5, 17, 99, 230, 41, 7, 8], [300, 12, 45]]
+    fused = greedy(
+        model, prompts, max_new_tokens=8, min_new_tokens=8, compile_config=CompileConfig(backend=capture)
+    )
+    targets = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    assert invoke_subgraph not in [n.target for n in graphs[-1].graph.nodes]
+    assert sum("decode_rope_attention" in t for t in targets) == model.config.num_layers
+    assert not any(op in t for t in targets for op in ("roll", "index_copy", "matmul", "bmm"))
+    model.decoder.attention_kernels(False)
+    reference = greedy(
+        model, prompts, max_new_tokens=8, min_new_tokens=8, compile_config=CompileConfig(backend=capture)
+    )
+    assert_greedy_agrees(reference, fused, "bfloat16")
 
 
 def test_whole_step_with_a_cpp_wrapper_inlines_the_attention(tiny_checkpoints):

@@ -312,6 +312,94 @@ def test_decode_attention_bad_inputs_are_one_clear_error(ops):
         ops.decode_attention(q.double(), k.double(), k.double(), mask, 1.0)
 
 
+def rope_tables(b, d, dtype, gen):
+    """cos and the signed sin of layers.apply_rope for one position per row: [b, 1, 1, d]."""
+    angle = torch.rand(b, 1, 1, d // 2, generator=gen) * 100
+    cos = torch.cat([angle.cos(), angle.cos()], -1)
+    return cos.to(dtype), torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
+@pytest.mark.parametrize(
+    "b, h, kv, lmax, length, slot, d, one_table",
+    [(1, 9, 3, 256, 256, 37, 64, False), (2, 8, 2, 96, 70, 69, 128, False), (3, 4, 4, 40, 12, 0, 8, True)],
+)
+def test_decode_rope_attention_is_rotary_then_cache_write_then_attention(
+    ops, dtype, cache_dtype, b, h, kv, lmax, length, slot, d, one_table
+):
+    """The fused decode step against its parts: q, k and v as views of one q/k/v product (strided, as a fused
+    projection gives them); k rotated and v written at `slot` of a larger cache, every other slot untouched;
+    the rotated k equal to layers.apply_rope's in fp32, rounded once to the cache's dtype (in fp32 bit for bit
+    aten's ops); the output the exact attention of the rotated q over the first `length` slots (the mask's),
+    within the tolerance of test_decode_attention_matches_the_exact_attention."""
+    from tierlm.models.layers import apply_rope
+
+    gen = torch.Generator().manual_seed(b * 100 + d)
+    qkv = torch.randn(b, 1, (h + 2 * kv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.view(b, 1, h, d), k.view(b, 1, kv, d), v.view(b, 1, kv, d)
+    cos, sin = rope_tables(1 if one_table else b, d, dtype, gen)
+    keys, values = (torch.randn(b, kv, lmax, d, generator=gen).to(cache_dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    mask = torch.rand(b, 1, 1, length, generator=gen) < 0.6
+    mask[..., slot] = True
+    out = ops.decode_rope_attention(
+        q[:, 0], k[:, 0], v[:, 0], cos, sin, keys, values, torch.tensor([slot]), mask, d**-0.5
+    )
+    assert out.dtype == dtype and out.shape == (b, h, d)
+
+    def rotate(x):  # [b, 1, heads, d] -> [b, heads, 1, d] in fp32
+        return apply_rope(x.transpose(1, 2).float(), cos.float(), sin.float())
+
+    want_keys[:, :, slot] = rotate(k)[:, :, 0].to(cache_dtype)
+    want_values[:, :, slot] = v[:, 0].to(cache_dtype)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    if dtype == torch.float32:
+        assert torch.equal(keys[:, :, slot], apply_rope(k.transpose(1, 2), cos, sin)[:, :, 0])
+    ref = exact_attention(rotate(q).to(dtype), keys[:, :, :length], values[:, :, :length], mask)[:, :, 0]
+    rtol = 0.0 if dtype == torch.float32 else 2.0**-8
+    err = (out.double() - ref).abs()
+    assert (err <= 1e-5 * values.double().abs().amax() + rtol * ref.abs()).all(), err.max()
+
+
+def test_decode_rope_attention_bad_inputs_are_one_clear_error(ops):
+    """A slot outside the cache or outside what the mask attends, a slot tensor of the wrong kind, an odd head
+    size: one error each, and the cache is left as it was."""
+    q, k = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    keys, values = torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)
+    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+
+    def call(slots, m=mask, qq=q, kk=k, c=cos):
+        return ops.decode_rope_attention(
+            qq, kk, kk, c, c if c is not cos else sin, keys, values, slots, m, 1.0
+        )
+
+    with pytest.raises(RuntimeError, match="slot 16 is outside the cache of 16"):
+        call(torch.tensor([16]))
+    with pytest.raises(RuntimeError, match="must cover the written slot"):
+        call(torch.tensor([12]))
+    with pytest.raises(RuntimeError, match="one int64 slot"):
+        call(torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="one int64 slot"):
+        call(torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="must be even"):
+        odd = torch.zeros(1, 2, 16, 7)
+        ops.decode_rope_attention(
+            torch.randn(1, 4, 7),
+            *(torch.randn(1, 2, 7),) * 2,
+            *(torch.ones(1, 7),) * 2,
+            odd,
+            odd,
+            torch.tensor([1]),
+            mask,
+            1.0,
+        )
+    assert not keys.any() and not values.any()
+
+
 def test_the_cache_listing_names_built_kernels(tmp_path):
     from tierlm.cache_folder import cache_entries, clear_cache
 

@@ -96,9 +96,15 @@ def build(model, cache, cc: CompileConfig) -> CompiledStep:
         kwargs["options"].setdefault("realize_opcount_threshold", LAYER_REALIZE_OPCOUNT)
     # A CPU whole step compiles its layers' decode attention once (halves a cold compile; CUDA steps and
     # AOT packages keep one graph: neither was measured with nested regions), unless it has a C++ wrapper,
-    # which cannot call a nested region (inductor: "codegen invoke_subgraph is not implemented")
+    # which cannot call a nested region (inductor: "codegen invoke_subgraph is not implemented"), or its
+    # layers attend through tierlm's kernel, whose one call a layer (rotary, K/V write and attention:
+    # layers.rope_attention) leaves nothing to compile once; it mutates the cache, which a nested region's
+    # functionalization cannot take from a custom op
     regions = (
-        cc.scope == "model" and device.type == "cpu" and not kwargs.get("options", {}).get("cpp_wrapper")
+        cc.scope == "model"
+        and device.type == "cpu"
+        and not kwargs.get("options", {}).get("cpp_wrapper")
+        and not decoder.attends_through_kernel()
     )
     decoder.attention_regions(regions)
     body = LayerBody(kwargs) if cc.scope == "layer" else None

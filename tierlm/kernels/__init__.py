@@ -1,5 +1,5 @@
-"""tierlm's own CPU kernels: int4 and int8 weight-only products and a decode step's attention, for x86 CPUs
-(`avx2_quant.cpp`).
+"""tierlm's own CPU kernels: int4 and int8 weight-only products and a decode step's attention (alone, or with
+its rotary and static-cache write: decode_rope_attention), for x86 CPUs (`avx2_quant.cpp`).
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have no fast path without AVX-512, and
 inductor has no AVX2 int4 template, so on an AVX2 CPU decode spends most of its time widening weights to
@@ -60,9 +60,9 @@ def _build():
     leave a half-written library or a lock that later processes would wait on."""
     import torch
 
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
-        flags[3:3] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
+        flags[4:4] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
     folder = _folder(flags)
     library = folder / f"{LIBRARY}.so"
     if not library.exists():
@@ -107,6 +107,10 @@ def _build():
 
     @torch.library.register_fake(f"{LIBRARY}::decode_attention")
     def _(q, keys, values, mask, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake(f"{LIBRARY}::decode_rope_attention")
+    def _(q, k, v, cos, sin, keys, values, slots, mask, scale):
         return q.new_empty(q.shape)
 
     return ops

@@ -121,6 +121,10 @@ class Decoder(nn.Module):
             if hasattr(module, "kernel") and hasattr(module, "region"):  # Attention
                 module.kernel = on
 
+    def attends_through_kernel(self) -> bool:
+        """Whether any layer's decode steps attend through tierlm's CPU kernel (`attention_kernels`)."""
+        return any(getattr(m, "kernel", False) for m in self.modules() if hasattr(m, "region"))
+
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""
         device = torch.device(device)
