@@ -400,6 +400,46 @@ def test_decode_rope_attention_bad_inputs_are_one_clear_error(ops):
     assert not keys.any() and not values.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_is_layers_rmsnorm_up_to_a_rounding(ops, dtype, gemma):
+    """rms_norm against the float64 formula of layers.RMSNorm / GemmaRMSNorm, over rows of a 3-d x (576 wide,
+    and 100, not a multiple of 8): llama rounds x / rms to the dtype, then multiplies by the weight in the dtype
+    (two roundings, as Hugging Face); gemma multiplies by (1 + weight) in fp32 and rounds once. fp32: within
+    1e-6 relative of the exact value; bf16: within one ulp (2^-7 relative) of the exact value's rounding chain."""
+    from tierlm.models.layers import GemmaRMSNorm, RMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    for dim in (576, 100):
+        x = (torch.randn(3, 5, dim, generator=gen) * 4).to(dtype)
+        norm = (GemmaRMSNorm if gemma else RMSNorm)(dim, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=gen))
+        got = ops.rms_norm(x, norm.weight, 1e-6, gemma)
+        assert got.dtype == dtype and got.shape == x.shape
+        x64, w64 = x.double(), norm.weight.double()
+        n64 = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+        want = n64 * (1 + w64) if gemma else w64 * n64.to(dtype).double()
+        rel = 1e-6 if dtype == torch.float32 else 2.0**-7
+        # bf16 llama: x / rms lands on either neighbour of a tie, then the weight scales that one ulp
+        scale = want.abs() + (w64.abs() * n64.abs() if not gemma else 0)
+        assert ((got.double() - want).abs() <= rel * scale + 1e-30).all()
+        with torch.no_grad():
+            module = norm(x)  # aten's path (the kernel flag is off on a bare module)
+        if dtype == torch.bfloat16:
+            assert (got != module).float().mean() < 0.01  # the two orders of the sum disagree on a rare tie
+
+
+def test_rms_norm_bad_inputs_are_one_clear_error(ops):
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[D\\]"):
+        ops.rms_norm(x, torch.ones(7), 1e-6, False)
+    with pytest.raises(RuntimeError, match="one dtype unless gemma"):
+        ops.rms_norm(x.bfloat16(), torch.ones(8), 1e-6, False)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        ops.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-6, False)
+
+
 def test_the_cache_listing_names_built_kernels(tmp_path):
     from tierlm.cache_folder import cache_entries, clear_cache
 

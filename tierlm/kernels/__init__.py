@@ -109,6 +109,10 @@ def _build():
     def _(q, keys, values, mask, scale):
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake(f"{LIBRARY}::rms_norm")
+    def _(x, weight, eps, gemma):
+        return torch.empty_like(x)
+
     @torch.library.register_fake(f"{LIBRARY}::decode_rope_attention")
     def _(q, k, v, cos, sin, keys, values, slots, mask, scale):
         return q.new_empty(q.shape)

@@ -115,10 +115,11 @@ class Decoder(nn.Module):
                 module.region = on
 
     def attention_kernels(self, on: bool) -> None:
-        """Whether decode steps attend through tierlm's CPU kernel (`layers.attention_kernel`; set by
-        `load()` for a model whose forward runs on the CPU)."""
+        """Whether decode steps attend through tierlm's CPU kernel (`layers.attention_kernel`), and eager bf16
+        RMSNorms run on its norm kernel (`layers.RMSNorm`); set by `load()` for a model whose forward runs on
+        the CPU."""
         for module in self.modules():
-            if hasattr(module, "kernel") and hasattr(module, "region"):  # Attention
+            if hasattr(module, "kernel") and (hasattr(module, "region") or isinstance(module, RMSNorm)):
                 module.kernel = on
 
     def attends_through_kernel(self) -> bool:

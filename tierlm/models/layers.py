@@ -25,8 +25,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((dim,), self.initial))
         self.eps = eps
+        # eager bf16 norms run as one call of tierlm's CPU kernel (`Decoder.attention_kernels` sets it)
+        self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and _kernel_norm(x, self.weight):
+            return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, False)
         # Normalize in fp32, scale in the input dtype (as Hugging Face does, for identical rounding).
         return self.weight * _normalized(x, self.eps).to(x.dtype)
 
@@ -37,7 +41,25 @@ class GemmaRMSNorm(RMSNorm):
     initial = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and _kernel_norm(x, self.weight):
+            return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, True)
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _kernel_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an RMSNorm runs as tierlm's kernel (rms_norm): eager (a compiled step fuses the norm into its
+    neighbours anyway), bf16 on the CPU, rows contiguous (the kernel gets x.contiguous()). One call instead of ~8 small ops (~20 against 3.5 us
+    for the default model's 576 wide norm, 2 threads of a Zen 4 at AVX2; an eager decode step runs 61
+    of them; int4 eager decode 92.5 -> 111.6 tok/s, interleaved). The same formula in fp32, the sum of
+    squares in another order: a few elements a step may round to the neighbouring bf16 value (greedy logits
+    within bf16's tolerance of aten's: tests/test_attention.py); fp32 keeps aten's (the exact reference)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.dtype in _KERNEL_DTYPES
+        and x.stride(-1) == 1
+        and not torch.compiler.is_compiling()
+    )
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
