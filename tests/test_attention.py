@@ -60,7 +60,7 @@ def use_attention_kernel(model, on: bool) -> None:
 def test_decode_steps_attend_through_the_kernel_where_it_is_built(tiny_checkpoints, scope):
     """Where tierlm's CPU kernels are built (x86 with AVX2), every kind of decode step rotates, writes its K/V
     and attends in one call of the kernel (decode_rope_attention): eager, a compiled layer body, a compiled
-    whole step (inside the nested region its layers share); the graphs hold the kernel and no matmul, roll or
+    whole step (one call a layer, in the step's own graph); the graphs hold the kernel and no matmul, roll or
     index_copy. Its greedy logits agree with the matmul path's (kernel off) within bf16's tolerance
     (tests/agreement.py)."""
     from tierlm import CompileConfig, kernels

@@ -416,6 +416,9 @@ def test_whole_step_attends_through_the_fused_kernel_without_regions(tiny_checkp
 
     model = tierlm.load(tiny_checkpoints[family], dtype="bfloat16")
     assert model.decoder.attends_through_kernel()
+    model.decoder.compute_dtype = torch.float16  # a dtype the kernel does not take: regions stay on there
+    assert not model.decoder.attends_through_kernel()
+    model.decoder.compute_dtype = torch.bfloat16
     prompts = [[5, 17, 99, 230, 41, 7, 8], [300, 12, 45]]
     fused = greedy(
         model, prompts, max_new_tokens=8, min_new_tokens=8, compile_config=CompileConfig(backend=capture)
@@ -429,6 +432,33 @@ def test_whole_step_attends_through_the_fused_kernel_without_regions(tiny_checkp
         model, prompts, max_new_tokens=8, min_new_tokens=8, compile_config=CompileConfig(backend=capture)
     )
     assert_greedy_agrees(reference, fused, "bfloat16")
+
+
+def test_inductor_writes_the_cache_in_place_through_the_fused_kernel(tiny_checkpoints):
+    """decode_rope_attention mutates the cache (`Tensor(a!)`): inductor's generated step passes each layer's
+    keys and values, graph inputs, to it as they are, and copies or clones nothing (a functionalized copy of
+    the cache would cost a whole cache per layer per step, with the same tokens)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from tierlm import kernels
+
+    if kernels.selected() is None:
+        pytest.skip("tierlm's CPU kernels are not used on this CPU")
+    torch._dynamo.reset()
+    model = tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16")
+    _, codes = run_and_get_code(lambda: run(model, n=4, compile_config=CompileConfig()))
+    code = "\n".join(codes)
+    call = re.compile(
+        r"decode_rope_attention\.default\(.*, (\w+), (\w+), (\w+), (\w+), (\w+), (\w+), [-\d.e]+\)$"
+    )
+    calls = [m.groups() for line in code.splitlines() if (m := call.search(line.strip()))]
+    assert len(calls) == model.config.num_layers
+    for _cos, _sin, keys, values, _slots, _mask in calls:
+        assert keys.startswith("arg") and values.startswith("arg")  # the step's inputs: the cache itself
+    assert len({c[2] for c in calls} | {c[3] for c in calls}) == 2 * model.config.num_layers
+    assert ".copy_(" not in code and "aten.copy" not in code and "clone" not in code
 
 
 def test_whole_step_with_a_cpp_wrapper_inlines_the_attention(tiny_checkpoints):

@@ -320,7 +320,13 @@ def rope_tables(b, d, dtype, gen):
 
 
 @pytest.mark.parametrize(
-    "dtype, cache_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+    "dtype, cache_dtype",
+    [
+        (torch.float32,) * 2,
+        (torch.bfloat16,) * 2,
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
 )
 @pytest.mark.parametrize(
     "b, h, kv, lmax, length, slot, d, one_table",
@@ -356,7 +362,7 @@ def test_decode_rope_attention_is_rotary_then_cache_write_then_attention(
     want_keys[:, :, slot] = rotate(k)[:, :, 0].to(cache_dtype)
     want_values[:, :, slot] = v[:, 0].to(cache_dtype)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
-    if dtype == torch.float32:
+    if dtype == cache_dtype == torch.float32:
         assert torch.equal(keys[:, :, slot], apply_rope(k.transpose(1, 2), cos, sin)[:, :, 0])
     ref = exact_attention(rotate(q).to(dtype), keys[:, :, :length], values[:, :, :length], mask)[:, :, 0]
     rtol = 0.0 if dtype == torch.float32 else 2.0**-8
@@ -428,6 +434,28 @@ def test_rms_norm_is_layers_rmsnorm_up_to_a_rounding(ops, dtype, gemma):
             module = norm(x)  # aten's path (the kernel flag is off on a bare module)
         if dtype == torch.bfloat16:
             assert (got != module).float().mean() < 0.01  # the two orders of the sum disagree on a rare tie
+
+
+def test_gemma_rms_norm_takes_an_fp32_weight_over_bf16_rows(ops):
+    """GemmaRMSNorm scales by (1 + weight) in fp32 whatever the weight's dtype: an fp32 weight over bf16 x gives
+    GemmaRMSNorm's bf16 result up to a rare tie (the order of the sum); a NaN row stays NaN, the others finite."""
+    from tierlm.models.layers import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = GemmaRMSNorm(576, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x = torch.randn(4, 576, generator=gen).to(torch.bfloat16)
+    x[2, 7] = float("nan")
+    got = ops.rms_norm(x, norm.weight, 1e-6, True)
+    with torch.no_grad():
+        want = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert got[2].isnan().all() and want[2].isnan().all()
+    rows = [0, 1, 3]
+    assert got[rows].isfinite().all()
+    assert (got[rows] != want[rows]).float().mean() < 0.01
+    torch.testing.assert_close(got[rows].float(), want[rows].float(), rtol=2**-7, atol=0)
 
 
 def test_rms_norm_bad_inputs_are_one_clear_error(ops):

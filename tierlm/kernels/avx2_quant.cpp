@@ -552,9 +552,9 @@ void check_attention(const char* op, const at::Tensor& q, const at::Tensor& keys
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && q.device().is_cpu(), op,
               ": q must be [B, H, d], keys and values [B, KV, L, d], on the CPU");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(1);
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(3) == d && h % kvh == 0 &&
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(3) == d && kvh > 0 && h > 0 && h % kvh == 0 &&
                   h / kvh <= 8 && d % 8 == 0 && d > 0 && len > 0 && len <= keys.size(2),
-              op, ": K and V must be [B, KV, L, d] with L > 0, d a multiple of 8 and H / KV at most 8");
+              op, ": K and V must be [B, KV, L, d] with L > 0, d a multiple of 8 and H / KV at most 8 (KV > 0)");
   TORCH_CHECK(q.stride(2) == 1 && keys.stride(3) == 1 && values.stride(3) == 1, op,
               ": the head dimension must be contiguous");
   TORCH_CHECK(keys.stride(2) == values.stride(2), op, ": K and V must have the same slot stride");

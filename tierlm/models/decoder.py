@@ -123,8 +123,19 @@ class Decoder(nn.Module):
                 module.kernel = on
 
     def attends_through_kernel(self) -> bool:
-        """Whether any layer's decode steps attend through tierlm's CPU kernel (`attention_kernels`)."""
-        return any(getattr(m, "kernel", False) for m in self.modules() if hasattr(m, "region"))
+        """Whether the layers' decode steps attend through tierlm's CPU kernel (`attention_kernels`), and its
+        shapes and dtype fit it (`layers.rope_attention`: fp32 or bf16, up to 8 query heads per K/V head, a
+        head size a multiple of 8 up to 512): where they do not, every layer falls back to the unfused ops."""
+        cfg = self.config
+        fits = (
+            self.compute_dtype in (torch.float32, torch.bfloat16)
+            and cfg.num_kv_heads > 0
+            and cfg.num_heads % cfg.num_kv_heads == 0
+            and cfg.num_heads // cfg.num_kv_heads <= 8
+            and cfg.head_dim % 8 == 0
+            and cfg.head_dim <= 512
+        )
+        return fits and any(getattr(m, "kernel", False) for m in self.modules() if hasattr(m, "region"))
 
     def ensure_rope(self, length: int, device: torch.device | str) -> None:
         """Make the rotary tables cover positions < length (called outside any compiled region)."""

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and _kernel_norm(x, self.weight):
+        if self.kernel and _kernel_norm(x, self.weight) and self.weight.dtype == x.dtype:
             return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, False)
         # Normalize in fp32, scale in the input dtype (as Hugging Face does, for identical rounding).
         return self.weight * _normalized(x, self.eps).to(x.dtype)
@@ -359,8 +359,9 @@ def rope_attention(
     (decode_rope_attention), for a static cache written at `slots` (`StaticLayerView`): q [b, 1, H, d], k and v
     [b, 1, KV, d] before rotary, the layer's whole keys and values [b, KV, L, d]; it attends over the first
     mask.shape[-1] slots. Returns [b, H, 1, d], or None where the kernel does not take these (the caller
-    runs apply_rope, index_copy_ and `grouped_attention` instead). The same numbers as those three: the rotary
-    in fp32 rounded once to the dtype (fp32: aten's ops bit for bit), then `decode_attention`. One call instead
+    runs apply_rope, index_copy_ and `grouped_attention` instead). The rotary runs in fp32 and rounds once to
+    the dtype: in fp32 aten's ops bit for bit; in bf16 as a compiled step's fused rotary does, where eager
+    aten rounds each product too (a difference within bf16's tolerance). Then `decode_attention`. One call instead
     of ~8 small ops: on the default model, 2 threads of a Zen 4 at AVX2, 20 against 51 us a layer eager."""
     b, s, h, d = q.shape
     kv, length = keys.shape[1], mask.shape[-1]
@@ -378,8 +379,7 @@ def rope_attention(
         and cos.numel() == cos.shape[0] * d
         and cos.dtype == sin.dtype
         and cos.dtype in _KERNEL_DTYPES
-        and k.dtype in _KERNEL_DTYPES
-        and v.dtype in _KERNEL_DTYPES
+        and k.dtype == v.dtype == q.dtype
         and slots.numel() == 1
         and slots.dtype == torch.long
         and k.stride(-1) == 1
