@@ -48,9 +48,9 @@ class GemmaRMSNorm(RMSNorm):
 
 def _kernel_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an RMSNorm runs as tierlm's kernel (rms_norm): eager (a compiled step fuses the norm into its
-    neighbours anyway), bf16 on the CPU, rows contiguous (the kernel gets x.contiguous()). One call instead of ~8 small ops (~20 against 3.5 us
-    for the default model's 576 wide norm, 2 threads of a Zen 4 at AVX2; an eager decode step runs 61
-    of them; int4 eager decode 92.5 -> 111.6 tok/s, interleaved). The same formula in fp32, the sum of
+    neighbours anyway), bf16 on the CPU, rows contiguous (the kernel gets x.contiguous()). One call instead
+    of ~8 small ops (~20 against 3.5 us for the default model's 576 wide norm, 2 threads of a Zen 4 at AVX2;
+    an eager decode step runs 61 of them; int4 eager decode 92.5 -> 111.6 tok/s, interleaved). The same formula in fp32, the sum of
     squares in another order: a few elements a step may round to the neighbouring bf16 value (greedy logits
     within bf16's tolerance of aten's: tests/test_attention.py); fp32 keeps aten's (the exact reference)."""
     return (
@@ -361,8 +361,9 @@ def rope_attention(
     mask.shape[-1] slots. Returns [b, H, 1, d], or None where the kernel does not take these (the caller
     runs apply_rope, index_copy_ and `grouped_attention` instead). The rotary runs in fp32 and rounds once to
     the dtype: in fp32 aten's ops bit for bit; in bf16 as a compiled step's fused rotary does, where eager
-    aten rounds each product too (a difference within bf16's tolerance). Then `decode_attention`. One call instead
-    of ~8 small ops: on the default model, 2 threads of a Zen 4 at AVX2, 20 against 51 us a layer eager."""
+    aten rounds each product too (a difference within bf16's tolerance). Then `decode_attention`. One call
+    instead of ~8 small ops: on the default model, 2 threads of a Zen 4 at AVX2, 20 against 51 us a layer
+    eager."""
     b, s, h, d = q.shape
     kv, length = keys.shape[1], mask.shape[-1]
     fits = (
