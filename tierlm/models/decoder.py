@@ -15,6 +15,7 @@ from tierlm.models.layers import (
     Linear,
     RMSNorm,
     fuse_projections,
+    kernel_heads,
     rope_tables,
 )
 
@@ -128,11 +129,7 @@ class Decoder(nn.Module):
         head size a multiple of 8 up to 512): where they do not, every layer falls back to the unfused ops."""
         cfg = self.config
         fits = (
-            self.compute_dtype in (torch.float32, torch.bfloat16)
-            and cfg.num_kv_heads > 0
-            and cfg.num_heads % cfg.num_kv_heads == 0
-            and cfg.num_heads // cfg.num_kv_heads <= 8
-            and cfg.head_dim % 8 == 0
+            kernel_heads(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.compute_dtype)
             and cfg.head_dim <= 512
         )
         return fits and any(getattr(m, "kernel", False) for m in self.modules() if hasattr(m, "region"))

@@ -311,6 +311,18 @@ def attention_kernel() -> bool:
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def kernel_heads(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether tierlm's decode attention kernels take this head layout and dtype: fp32 or bf16, up to 8
+    query heads per K/V head, a head size a multiple of 8 (decode_rope_attention: up to 512 too)."""
+    return (
+        dtype in _KERNEL_DTYPES
+        and kv_heads > 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= 8
+        and head_dim % 8 == 0
+    )
+
+
 def fits_attention_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, length: int | None = None
 ) -> bool:
@@ -327,15 +339,12 @@ def fits_attention_kernel(
         and k.shape[3] == d
         and mask.shape[0] == b
         and q.device.type == "cpu"
-        and q.dtype in _KERNEL_DTYPES
+        and kernel_heads(h, k.shape[1], d, q.dtype)
         and k.dtype == v.dtype
         and k.dtype in _KERNEL_DTYPES
         and mask.dtype == torch.bool
         and mask.shape[-1] == length
         and mask.numel() == b * length
-        and h % k.shape[1] == 0
-        and h // k.shape[1] <= 8
-        and d % 8 == 0
         and q.stride(-1) == 1
         and k.stride(-1) == 1
         and v.stride(-1) == 1
@@ -369,10 +378,6 @@ def rope_attention(
     fits = (
         s == 1
         and k.shape == v.shape == (b, 1, kv, d)
-        and keys.shape == values.shape
-        and keys.shape[0] == b
-        and keys.shape[3] == d
-        and 0 < length <= keys.shape[2]
         and d <= 512
         and cos.shape == sin.shape
         and cos.shape[-1] == d
