@@ -102,3 +102,38 @@ def test_cache_list_of_a_missing_folder_says_so(tmp_path):
         f"cache folder: {tmp_path / 'none'} (does not exist)",
         "total: 0 B in 0 entries",
     ]
+
+
+def test_cache_clear_leaves_what_tierlm_did_not_write(tmp_path):
+    """A cache folder set to a folder that holds other things: `clear` removes tierlm's entries only, and
+    says what it left; `list` marks the others."""
+    root = tmp_path / "mixed"
+    (root / "inductor").mkdir(parents=True)
+    (root / "inductor" / "step.so").write_bytes(bytes(100))
+    (root / "notes.txt").write_text("important")
+    (root / "sub").mkdir()
+    (root / "sub" / "data.bin").write_bytes(bytes(10))
+    listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
+    assert sum("not tierlm's: cache clear leaves it" in line for line in listing) == 2
+    proc = tierlm_cli("cache", "clear", cache=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"tierlm: removing {root / 'inductor'} ({format_bytes(100)})",
+        f"tierlm: removed 1 entry ({format_bytes(100)}) from {root}; left 2 entries that tierlm did not write "
+        "(notes.txt, ...)",
+    ]
+    assert (root / "notes.txt").read_text() == "important" and (root / "sub" / "data.bin").exists()
+    assert not (root / "inductor").exists()
+
+
+def test_a_cache_folder_that_is_a_file_is_an_error_for_clear(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("keep me")
+    listing = tierlm_cli("cache", "list", cache=str(path))
+    assert listing.stdout.splitlines()[0] == f"cache folder: {path} (a file, not a folder)"
+    proc = tierlm_cli("cache", "clear", cache=str(path))
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"tierlm: error: the cache folder {path} is a file, not a folder (TIERLM_CACHE_DIR?)"
+    ]
+    assert path.read_text() == "keep me"

@@ -5,7 +5,8 @@ offloaded weights converted to the compute dtype or packed int8/int4, or streame
 built ahead of time, tierlm.aot), inductor/ (compiled kernels), kernels/ (tierlm's own C++ kernels, built
 once per machine: tierlm.kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
-writer's are never removed, a dead writer's are leftovers.
+writer's are never removed, a dead writer's are leftovers. Anything else beside them is not tierlm's: listed,
+never removed.
 """
 
 from __future__ import annotations
@@ -24,10 +25,16 @@ class CacheEntry:
     """One removable thing in the cache folder."""
 
     path: Path
-    kind: str  # "gguf", "offload", "aot", "inductor", "kernels", "temporary" or "other"
+    kind: str  # "gguf", "offload", "aot", "inductor", "kernels", "temporary", "other" or "foreign"
     nbytes: int
     about: str  # what it holds, in words
     live_writer: int | None = None  # pid of the process still writing it (temporaries only)
+
+    @property
+    def foreign(self) -> bool:
+        """Not tierlm's: beside tierlm's folders, under a name tierlm never writes (a cache folder set to a
+        folder that holds other things); listed, never removed."""
+        return self.kind == "foreign"
 
     @property
     def stale(self) -> bool:
@@ -48,9 +55,14 @@ def cache_entries(root: Path) -> list[CacheEntry]:
             entries.append(
                 CacheEntry(path, "kernels", tree_size(path), "tierlm's CPU kernels (int4/int8), built")
             )
+        elif writer_of(path) is not None:
+            entries.append(_temporary(path))
         else:
-            entries.extend(_entries_of(path, "other"))
+            entries.append(CacheEntry(path, "foreign", tree_size(path), FOREIGN))
     return entries
+
+
+FOREIGN = "not tierlm's: cache clear leaves it"
 
 
 def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
@@ -129,10 +141,13 @@ def clear_cache(
     root: Path, stale_only: bool = False, progress=None
 ) -> tuple[list[CacheEntry], list[CacheEntry]]:
     """Remove the cache's entries (only dead writers' leftovers when `stale_only`); never a temporary a live
-    process is writing. Returns (removed, kept). progress(entry) is called before each removal."""
+    process is writing, nor what is not tierlm's (`CacheEntry.foreign`). Returns (removed, kept).
+    progress(entry) is called before each removal. `root` must be a folder, or not exist."""
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"the cache folder {root} is a file, not a folder (TIERLM_CACHE_DIR?)")
     removed, kept = [], []
     for entry in cache_entries(root):
-        if entry.live_writer is not None or (stale_only and not entry.stale):
+        if entry.live_writer is not None or entry.foreign or (stale_only and not entry.stale):
             kept.append(entry)
             continue
         if progress is not None:

@@ -46,8 +46,12 @@ def cmd_cache(args) -> int:
 
     removed, kept = clear_cache(root, stale_only=args.stale, progress=progress)
     busy = [e for e in kept if e.live_writer is not None]
+    foreign = [e for e in kept if e.foreign]
     freed = format_bytes(sum(e.nbytes for e in removed))
     note = f"; kept {entries_text(len(busy))} still being written" if busy else ""
+    if foreign:
+        note += f"; left {entries_text(len(foreign))} that tierlm did not write ({foreign[0].path.name}"
+        note += ", ...)" if len(foreign) > 1 else ")"
     status(f"tierlm: removed {entries_text(len(removed))} ({freed}) from {root}{note}")
     return 0
 
@@ -60,7 +64,8 @@ def cache_listing(root: Path, entries) -> str:
     """The text of `tierlm cache list`: one line per entry, then the total."""
     from tierlm.placement.memory import format_bytes
 
-    lines = [f"cache folder: {root}" + ("" if root.is_dir() else " (does not exist)")]
+    state = "" if root.is_dir() else " (a file, not a folder)" if root.exists() else " (does not exist)"
+    lines = [f"cache folder: {root}{state}"]
     for e in entries:
         lines.append(f"  {format_bytes(e.nbytes):>10}  {e.path.relative_to(root)}  {e.about}")
     stale = [e for e in entries if e.stale]
