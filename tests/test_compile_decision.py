@@ -67,7 +67,6 @@ def test_cpp_wrapper_defaults_on_for_a_cpu_layer_body_only():
     assert wrapper(CompileConfig(cpp_wrapper=True), "cpu") is True
 
 
-
 def test_a_cpu_whole_step_builds_its_cpp_wrapper_apart_from_its_kernels():
     """With a C++ wrapper, a CPU whole step compiles the wrapper apart (inductor's cpp_wrapper_build_separate,
     a shorter cold compile); a layer body, a Python wrapper and CUDA keep inductor's one build; the caller's
@@ -82,6 +81,7 @@ def test_a_cpu_whole_step_builds_its_cpp_wrapper_apart_from_its_kernels():
     assert separate(CompileConfig(cpp_wrapper=True), "cuda:0") is False
     own = CompileConfig(cpp_wrapper=True, options={"cpp_wrapper_build_separate": False})
     assert separate(own, "cpu") is False
+
 
 def test_cpu_steps_have_python_wrappers_without_size_asserts_unless_asked():
     """A CPU step's Python wrapper runs every decode step: inductor's size, stride and alignment checks of
