@@ -12,6 +12,10 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("empty prompt: give one as an argument or on stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable bytes, read by Python as lone surrogates
+        raise ValueError(f"the prompt is not valid UTF-8 (at character {e.start})") from None
     config = generation_config(args)
     model = load_model(args)
     use_packages(model, config)

@@ -88,10 +88,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS is prepended when the model wants it and `add_special_tokens`."""
+        _check_text(text)
         return self._with_bos(self._backend.encode(text, add_special_tokens=False).ids, add_special_tokens)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
+        for text in texts:
+            _check_text(text)
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
         return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
 
@@ -141,3 +144,16 @@ class Tokenizer:
             "unk_token": s.unk_id,
         }
         return {name: self._backend.id_to_token(i) for name, i in ids.items() if i is not None}
+
+
+def _check_text(text) -> None:
+    """A ValueError naming the problem where `text` is not a str of valid Unicode: Python reads undecodable
+    bytes (a prompt on stdin or in argv that is not UTF-8) as lone surrogates, which no tokenizer takes."""
+    if not isinstance(text, str):
+        raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"text is not valid UTF-8: character {e.start} is {text[e.start]!r} (bytes that are not UTF-8?)"
+        ) from None
