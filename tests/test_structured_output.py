@@ -296,3 +296,34 @@ def test_bad_response_format_is_a_400(live, endpoint, value, says):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
     assert says in error["message"]
+
+
+def test_response_format_on_a_model_without_eos_is_a_400_before_it_is_queued(tmp_path):
+    """A model that names no end-of-sequence token cannot end a constrained document: the server says so as
+    a 400 naming response_format (it was a 500 from the worker), and still serves requests without one."""
+    import json as _json
+
+    from test_server import write_served_model
+
+    folder = write_served_model(tmp_path / "no-eos")
+    config = _json.loads((folder / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (folder / "config.json").write_text(_json.dumps(config))
+    tok_config = _json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config.pop("eos_token")
+    (folder / "tokenizer_config.json").write_text(_json.dumps(tok_config))
+    (folder / "generation_config.json").unlink()
+    model = tierlm.load(folder, dtype="float32")
+    assert model.tokenizer.eos_token_ids == () and model.config.eos_token_ids == ()
+    with serve(model) as live:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        reply = httpx.post(
+            live.url + "/v1/completions",
+            json={**body, "response_format": {"type": "json_object"}},
+            trust_env=False,
+        )
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "response_format" and "end-of-sequence" in error["message"]
+        plain = httpx.post(live.url + "/v1/completions", json=body, trust_env=False, timeout=60)
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3

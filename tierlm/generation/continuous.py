@@ -30,7 +30,7 @@ from tierlm.compile import CompileConfig, CompileDecision, decide, warn_if_skipp
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
-from tierlm.generation.run import PromptLogprobs, TextTracker
+from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
 
 
@@ -82,7 +82,7 @@ class SlotBatch:
             slots = 1 << (slots - 1).bit_length()
         self.slots = slots
         tok, cfg = model.tokenizer, model.config
-        self.eos_ids = config.eos_token_id or tuple(tok.eos_token_ids if tok else cfg.eos_token_ids)
+        self.eos_ids = eos_token_ids(model, config)
         self.device = model.device
         eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.device)
         self.sampler = Sampler(slots, cfg.vocab_size, eos, self.device)

@@ -25,6 +25,12 @@ from tierlm.generation.sampling import token_logprobs
 from tierlm.generation.slots import RowsView
 
 
+def eos_token_ids(model, config) -> tuple[int, ...]:
+    """The token ids that end a sequence: the config's, else the tokenizer's (else the model config's)."""
+    tok = model.tokenizer
+    return config.eos_token_id or tuple(tok.eos_token_ids if tok else model.config.eos_token_ids)
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int
@@ -118,7 +124,7 @@ class Generation:
         row_max_new_tokens = _repeat(row_max_new_tokens, n)
         row_stops = _repeat(row_stops, n)
         cfg = model.config
-        self.eos_ids = config.eos_token_id or tuple(tok.eos_token_ids if tok else cfg.eos_token_ids)
+        self.eos_ids = eos_token_ids(model, config)
         pad = tok.pad_token_id if tok is not None else cfg.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.batch: Batch = left_pad(rows, self.pad_id, model.device)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from tierlm import cpu
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.run import eos_token_ids
 from tierlm.server.batcher import Scheduler
 from tierlm.server.errors import APIError
 from tierlm.server.events import QueueFull, Request, ShuttingDown
@@ -213,9 +214,13 @@ def _config(
     )
     base = state.scheduler.base_config
     try:
-        return base.replace(**settings)
+        config = base.replace(**settings)
     except ValueError as err:  # the schema checks ranges first; this names anything it let through
         raise APIError(400, str(err)) from err
+    if config.response_format is not None and not eos_token_ids(state.model, config):
+        message = "response_format needs a model with an end-of-sequence token, and this one names none"
+        raise APIError(400, message, "response_format")
+    return config
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
