@@ -91,6 +91,10 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
         (["generate", "--device-map", "{not json", "hi"], "not valid JSON"),
         (["plan", "--device-map", '{"model.layerz.0": "disk"}'], "model.layers"),
         (["cache", "purge"], "invalid choice: 'purge'"),
+        (
+            ["generate", "--max-new-tokens", "100000", "hi"],
+            "exceed the model's context of 8192: use --max-new",
+        ),
     ],
 )
 def test_errors_are_one_line_with_nonzero_exit(args, needle):
@@ -99,6 +103,28 @@ def test_errors_are_one_line_with_nonzero_exit(args, needle):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tierlm: error")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_prompt_that_is_not_utf8_is_a_one_line_error():
+    proc = subprocess.run(
+        [*TIERLM, "generate", "--max-new-tokens", "2"], input=b"a\xff\xfeb", capture_output=True, timeout=300
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.decode().splitlines() == [
+        "tierlm: error: the prompt is not valid UTF-8 (at character 1)"
+    ]
+
+
+def test_chat_goes_on_after_a_message_the_context_cannot_hold():
+    """An over-long message is one error line; the session, and what was said before, go on."""
+    turns = ["Hi, my name is Ada.", "a " * 9000, "What is my name?"]
+    proc = tierlm("chat", "--max-new-tokens", "4", stdin="\n".join(turns) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tierlm: error")]
+    assert len(errors) == 1 and "exceeds the model's context of 8192" in errors[0], proc.stderr
+    assert errors[0].endswith("this message was not sent")
+    replies = proc.stdout.split("> ")[1:]
+    assert len(replies) == 4 and replies[1] == "" and replies[0].strip() and replies[2].strip()
 
 
 def test_plan_shows_tiers_streaming_and_decision():

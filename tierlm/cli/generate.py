@@ -26,6 +26,11 @@ def cmd_generate(args) -> int:
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         # the template writes its own special tokens (Gemma's <bos>): as the server does, add none
         prompt = model.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        from tierlm.generation.run import encode_prompts
+
+        prompt = encode_prompts(model.tokenizer, prompt)[0]
+    check_room(model, len(prompt), config.max_new_tokens)
     gen = model.start([prompt], config)
     if args.explain:
         from tierlm import cpu
@@ -48,6 +53,18 @@ def cmd_generate(args) -> int:
             f"tierlm: {s.new_tokens} tokens, prefill {s.prefill_seconds:.2f} s, {s.decode_tokens_per_s:.1f} tok/s"
         )
     return 0
+
+
+def check_room(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The prompt and --max-new-tokens must fit the model's context, as the server's max_tokens must."""
+    context = model.config.max_position_embeddings
+    if prompt_tokens > context:
+        raise ValueError(f"prompt of {prompt_tokens} tokens exceeds the model's context of {context}")
+    if prompt_tokens + max_new_tokens > context:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens} and the prompt's {prompt_tokens} tokens exceed the model's "
+            f"context of {context}: use --max-new-tokens <= {context - prompt_tokens}"
+        )
 
 
 def result_json(result) -> dict:
@@ -85,7 +102,13 @@ def cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         text = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
-        prompt = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        try:
+            prompt = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+            check_room(model, len(prompt), config.max_new_tokens)
+        except ValueError as e:  # this turn only: the conversation so far stays, and the session goes on
+            history.pop()
+            status(f"tierlm: error: {e}; this message was not sent")
+            continue
         reply = []
         for _row, delta, _f, _r in model.start([prompt], config).stream():
             reply.append(delta)
