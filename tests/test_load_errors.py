@@ -273,3 +273,30 @@ def test_gguf_reader_reads_metadata_and_tensors_like_ggufs_own(tmp_path, endian)
     assert [(t.name, t.tensor_type, t.data.tolist()) for t in ours.tensors] == [
         (t.name, t.tensor_type, t.data.tolist()) for t in theirs.tensors
     ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"device": "tpu"}, "device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got 'tpu'"),
+        ({"device": "disk"}, "'disk' is a tier of a device map, not a device"),
+    ],
+)
+def test_a_device_tierlm_does_not_run_on_is_named(tiny_checkpoints, kwargs, says):
+    with pytest.raises(ValueError) as err:
+        tierlm.load(tiny_checkpoints["llama"], **kwargs)
+    assert says in one_line(err)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "kwargs", [{"device": "cuda"}, {"device_map": {"": 0}}, {"device_map": {"": "cuda:1"}}]
+)
+def test_a_gpu_this_machine_lacks_is_one_error_at_load_while_plan_describes_it(tiny_checkpoints, kwargs):
+    """A plan may describe another machine (`tierlm plan` for a GPU host); a load names the missing device."""
+    from tierlm.plan import plan
+
+    assert plan(tiny_checkpoints["llama"], **kwargs).placement.device.type == "cuda"
+    with pytest.raises(ValueError) as err:
+        tierlm.load(tiny_checkpoints["llama"], **kwargs)
+    assert "is not available: this torch" in one_line(err) and "sees no CUDA GPU" in one_line(err)

@@ -38,10 +38,30 @@ class Loading:
 
 def execute(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> Loading:
     """Run the plan's steps in order (progress: called with (tensors read, tensors) while building)."""
+    check_device(plan.placement)
     loading = Loading(progress)
     for name in plan.steps:
         STEPS[name](plan, loading)
     return loading
+
+
+def check_device(placement: Placement) -> None:
+    """The device the forward runs on exists in this process, else one ValueError naming it (a plan may
+    describe another machine; a load happens on this one). Resident weights go there and offloaded ones to
+    the CPU or disk (`_param_device`), so no other device of the map is touched (`execution_device`)."""
+    device = str(placement.device)
+    if device != "cpu":
+        kind, _, index = device.partition(":")
+        if kind == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise ValueError(
+                    f"device {device} is not available: this torch ({torch.__version__}) sees no CUDA GPU"
+                )
+            if int(index or 0) >= count:
+                raise ValueError(f"device {device} is not available: this machine has {count} CUDA GPU(s)")
+        elif kind == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"device {device} is not available on this machine")
 
 
 def open_step(plan: LoadPlan, loading: Loading) -> None:

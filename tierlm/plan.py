@@ -90,7 +90,7 @@ def plan(
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    dev = torch.device(device)
+    dev = _device(device)
     cfg, target = _header(path, dtype, dev)
     quant = _quantization(quantize, group_size, dtype, path, dev, device_map, max_memory, execution_device)
     names, sizes, tied = parameter_table(cfg, target, quant)
@@ -124,6 +124,19 @@ def plan(
         steps=_steps(widen, quant is not None, bool(transposed), not placement.resident, bool(fusion)),
         streamed_fusion=streamed_fusion,
     )
+
+
+def _device(device) -> torch.device:
+    """`device` as a torch.device tierlm runs on (cpu, cuda, cuda:N, mps), else one ValueError naming it."""
+    valid = "'cpu', 'cuda', 'cuda:N' or 'mps'"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        tier = " ('disk' is a tier of a device map, not a device)" if device == "disk" else ""
+        raise ValueError(f"device must be {valid}, got {device!r}{tier}")
+    return dev
 
 
 def _decision(placement: Placement, cache: str, compile: bool, layers: int) -> CompileDecision:
