@@ -133,3 +133,22 @@ def test_tierlm_plan_prints_the_plan(tiny_checkpoints, tmp_path):
     assert f"streamed per token: {format_bytes(p.streamed_bytes['disk'])} from disk" in text
     assert f"kv cache per sequence: {format_bytes(p.kv_bytes_per_token)} per token" in text
     assert f"execution device: {p.placement.device}" in text
+
+
+@pytest.mark.parametrize("quantize, budget_mb", [("int4", 145), ("int4", 175), ("int8", 200), (None, 180)])
+def test_an_auto_map_keeps_within_the_cpu_budget_with_a_quantized_lm_head(quantize, budget_mb):
+    """The default model ties its LM head to the embedding; quantized, the head is a packed copy of its own
+    (28.4 MB at int8) and counts against the budget beside the embedding: what stays in RAM, the KV cache
+    reserve and the largest streamed unit fit in max_memory (the head was counted as shared, so a plan
+    could exceed the budget by its size)."""
+    from tierlm.placement.placer import KV_RESERVE_TOKENS
+
+    p = plan(dtype="bfloat16", quantize=quantize, max_memory={"cpu": f"{budget_mb}MB"})
+    resident = sum(b for m, b in p.module_bytes.items() if p.placement.module_map[m] == "cpu")
+    streamed = [m for m, d in p.placement.module_map.items() if d == "disk"]
+    units = {m: p.module_bytes[m] for m in streamed}
+    if "model.embed_tokens" in units or "lm_head" in units:  # tied: they stream as one unit
+        units["model.embed_tokens"] = p.module_bytes["model.embed_tokens"] + p.module_bytes["lm_head"]
+    reserve = p.kv_bytes_per_token * KV_RESERVE_TOKENS + max(units.values()) if units else 0
+    assert resident + reserve <= budget_mb * 1e6, (format_bytes(resident), format_bytes(reserve))
+    assert p.module_bytes["lm_head"] == (0 if quantize is None else 49152 * 576 + 49152 * 2)

@@ -72,7 +72,7 @@ def resolve(
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
     reserve = kv_bytes_per_token * KV_RESERVE_TOKENS
-    modules, params = _maps(param_names, param_bytes, device_map, max_memory, tied, reserve)
+    modules, params = _maps(param_names, _budgeted(param_bytes, tied), device_map, max_memory, tied, reserve)
     _check_devices(params, tied)
     executor = execution_override or execution_device(modules)
     return Placement(
@@ -82,6 +82,18 @@ def resolve(
         offloaded=offloaded_modules(modules),
         drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
     )
+
+
+def _budgeted(param_bytes: Mapping[str, int], tied: list[tuple[str, str]]) -> dict[str, int]:
+    """The bytes a budget counts: a tied pair shares one tensor (the follower counts 0, parameter_table), but
+    a follower with bytes of its own (a quantized LM head: its own packed copy of the embedding) adds them
+    to the leader's, so the pair, placed together, counts both."""
+    sizes = dict(param_bytes)
+    for leader, follower in tied:
+        if sizes.get(follower):
+            sizes[leader] = sizes.get(leader, 0) + sizes[follower]
+            sizes[follower] = 0
+    return sizes
 
 
 def _maps(
