@@ -95,6 +95,14 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
             ["generate", "--max-new-tokens", "100000", "hi"],
             "exceed the model's context of 8192: use --max-new",
         ),
+        (["generate", "--compile", "--no-compile", "hi"], "--no-compile contradicts --compile"),
+        (["serve", "--port", "99999"], "--port must be in 0-65535, got 99999"),
+        (["serve", "--api-key", ""], "--api-key must not be empty"),
+        (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
+        (
+            ["compile", "--serve", "--batching", "static", "--max-batch-size", "-1"],
+            "--max-batch-size must be >= 1",
+        ),
     ],
 )
 def test_errors_are_one_line_with_nonzero_exit(args, needle):
@@ -103,6 +111,20 @@ def test_errors_are_one_line_with_nonzero_exit(args, needle):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tierlm: error")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = tierlm("serve", "--port", str(port), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"tierlm: error: cannot serve on 127.0.0.1:{port}: Address already in use"
+    ]
 
 
 def test_a_prompt_that_is_not_utf8_is_a_one_line_error():

@@ -80,6 +80,8 @@ def _json_arg(text: str, flag: str):
 def generation_config(args):
     from tierlm.generation.config import GenerationConfig
 
+    if args.no_compile and (args.compile or args.compile_scope or getattr(args, "compile_mode", None)):
+        raise ValueError("--no-compile contradicts --compile, --compile-scope and --compile-mode: give one")
     sample = args.do_sample or (args.temperature is not None and args.temperature > 0)
     return GenerationConfig.from_overrides(
         None,

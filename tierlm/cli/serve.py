@@ -7,10 +7,43 @@ from pathlib import Path
 from tierlm.cli.common import compile_config, load_model, placement_kwargs, status
 
 
+def check_serve_args(args) -> None:
+    """serve's (and compile --serve's) numbers and key, before anything loads: one error naming the flag."""
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    port = getattr(args, "port", None)
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0-65535, got {port}")
+    if getattr(args, "api_key", None) is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+    replicas = getattr(args, "replicas", None)
+    if replicas is not None and replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+
+
+def check_bind(host: str, port: int) -> None:
+    """Whether this process can listen on host:port, said before the model loads (uvicorn says it after,
+    in several lines); the server binds again as it starts."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(address)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise OSError(f"cannot serve on {host}:{port}: {reason}") from None
+
+
 def cmd_serve(args) -> int:
     from tierlm.generation.config import GenerationConfig
     from tierlm.server import run_server
 
+    check_serve_args(args)
+    if not args.ray_address:  # a cluster's proxy listens on its own head node
+        check_bind(args.host, args.port)
     if args.replicas is not None or args.ray_address:
         return serve_replicas(args)
     model = load_model(args)
@@ -91,6 +124,8 @@ def cmd_compile(args) -> int:
     batches = _batch_sizes(args.batch_sizes)
     if args.cache_len < 1:
         raise ValueError(f"--cache-len must be >= 1, got {args.cache_len}")
+    if args.serve:
+        check_serve_args(args)
     model = load_model(args)
     cc = CompileConfig(mode=args.compile_mode)
     model.use_compiled_packages()
