@@ -77,8 +77,12 @@ def short_repr(value: object, limit: int = 80) -> str:
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    # Of a union's errors, the one that is more than "not this type" says what is wrong.
-    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    # Of a union's errors, the one that is more than "not this type" says what is wrong; else the deepest
+    # (content: [{"text": null}] is wrong at content[0].text, not in being a list rather than a string)
+    first = next(
+        (e for e in errors if not e["type"].endswith("_type")),
+        max(errors, key=lambda e: len(e.get("loc", ()))),
+    )
     param = _param(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"

@@ -232,6 +232,12 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for i, message in enumerate(self.messages):
             refuse_unless_default(message, message.LIMITS, f"messages[{i}].")
+            if message.content is None:  # an assistant's may be null only beside tool calls, refused above
+                param = f"messages[{i}].content"
+                raise APIError(400, f"{param} is required (a {message.role} message needs its text)", param)
+            if message.content == []:
+                param = f"messages[{i}].content"
+                raise APIError(400, f"{param} must hold at least one text part, got []", param)
 
     @property
     def requested_max_tokens(self) -> int | None:
