@@ -300,3 +300,12 @@ def test_a_gpu_this_machine_lacks_is_one_error_at_load_while_plan_describes_it(t
     with pytest.raises(ValueError) as err:
         tierlm.load(tiny_checkpoints["llama"], **kwargs)
     assert "is not available: this torch" in one_line(err) and "sees no CUDA GPU" in one_line(err)
+
+
+def test_a_budget_beside_a_dict_map_is_an_error_not_ignored(tiny_checkpoints):
+    from tierlm.plan import plan
+
+    with pytest.raises(ValueError) as err:
+        plan(tiny_checkpoints["llama"], device_map={"": "cpu"}, max_memory={"cpu": "1GB"})
+    assert "the budget would be ignored" in one_line(err)
+    assert plan(tiny_checkpoints["llama"], device_map="auto", max_memory={"cpu": "1GB"}).placement.resident

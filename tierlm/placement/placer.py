@@ -71,6 +71,11 @@ def resolve(
     A memory budget without a map means "auto" (a budget is only ever read to infer a map)."""
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
+    elif max_memory and not isinstance(device_map, str):
+        raise ValueError(
+            "max_memory budgets an inferred map (device_map 'auto', 'balanced' or 'sequential'); "
+            "a dict device_map places every module itself, so the budget would be ignored"
+        )
     reserve = kv_bytes_per_token * KV_RESERVE_TOKENS
     modules, params = _maps(param_names, _budgeted(param_bytes, tied), device_map, max_memory, tied, reserve)
     _check_devices(params, tied)
