@@ -359,6 +359,11 @@ def test_bad_request_is_400_with_an_openai_error(http, path, body, param):
     check_error(http.post(path, content=raw, headers=JSON), 400, param)
 
 
+def test_an_empty_body_is_400_saying_so(http):
+    error = check_error(http.post(CHAT, content=b"", headers=JSON), 400)
+    assert error["message"] == "the request body is empty: send a JSON object"
+
+
 def test_body_without_json_content_type_is_400(http):
     error = check_error(http.post(CHAT, content=json.dumps(GOOD).encode()), 400)
     assert "Content-Type: application/json" in error["message"]
@@ -383,6 +388,22 @@ def test_unknown_route_is_404(http):
 def test_body_over_the_limit_is_413(http):
     huge = {**GOOD, "messages": [{"role": "user", "content": "x" * 1_100_000}]}
     check_error(http.post(CHAT, json=huge), 413)
+
+
+def test_a_body_declared_over_the_limit_that_never_comes_is_413_without_waiting(live):
+    """Content-Length over the limit and a short body: the server drains while the body comes, then answers
+    413 (it waited for the declared bytes until the client gave up)."""
+    host, port = live.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 5000000\r\n\r\n{}"
+    )
+    with socket.create_connection((host, int(port)), timeout=15) as sock:
+        start = time.monotonic()
+        sock.sendall(head.encode())
+        status_line = sock.recv(4096).split(b"\r\n", 1)[0]
+    assert status_line.endswith(b"413 Request Entity Too Large") or b" 413 " in status_line, status_line
+    assert time.monotonic() - start < 10
 
 
 def test_server_survives_a_flood_of_bad_requests(http, client):

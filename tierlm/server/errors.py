@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -22,6 +23,7 @@ _TYPES = {
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
 RETRY_AFTER_S = 1  # what a client told the queue is full should wait before it tries again
+DRAIN_WAIT_S = 2.0  # a body already over the limit by its Content-Length: the longest wait for its next piece
 
 
 class APIError(Exception):
@@ -88,7 +90,9 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         return error_response(APIError(400, message))
     message = first["msg"]
-    if not param and first.get("type") == "model_attributes_type":
+    if not param and first.get("type") == "missing":  # no body at all
+        message = "the request body is empty: send a JSON object"
+    elif not param and first.get("type") == "model_attributes_type":
         message = "the request body must be a JSON object"
         if isinstance(first.get("input"), bytes):  # not parsed: JSON needs its content type (CSRF guard)
             message += " sent with the header 'Content-Type: application/json'"
@@ -160,7 +164,13 @@ class GuardMiddleware:
             return None
         messages, total = [], 0
         while True:
-            message = await receive()
+            if declared > self.max_body_bytes:  # over the limit by its header: drained only while it comes
+                try:
+                    message = await asyncio.wait_for(receive(), DRAIN_WAIT_S)
+                except asyncio.TimeoutError:  # a client that declared more than it sends gets its 413 now
+                    return None
+            else:
+                message = await receive()
             total += len(message.get("body", b""))
             if total <= self.max_body_bytes:
                 messages.append(message)
