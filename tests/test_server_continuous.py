@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from test_server import NAME, check_error, serve, write_served_model
+from test_server import NAME, SPECIALS, check_error, serve, write_served_model
 
 import tierlm
 from tierlm.generation.config import GenerationConfig
@@ -165,6 +165,33 @@ def test_echo_logprobs_equal_log_softmax_of_the_model_logits(http, tiny_dir):
         assert max(top.values()) == pytest.approx(values[0], abs=1e-4)
         for value in top.values():
             assert any(abs(value - v) <= 1e-4 for v in [*values, expected[position - 1]])
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_index_the_text_sent_even_inside_characters(http, live, echo):
+    """A byte-level token may hold part of a character (its own text is U+FFFD): text_offset still points
+    into the text the client reads, streamed or not, where each token's text starts."""
+    body = dict(
+        prompt="Emoji list: \U0001f600 \U0001f603 <|im_end|> ok", echo=echo, logprobs=1, max_tokens=12
+    )
+    whole = complete(http, temperature=0, **body)["choices"][0]
+    text, lp = whole["text"], whole["logprobs"]
+    assert "\ufffd" in "".join(lp["tokens"])  # the emoji's bytes are tokens of their own here
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
+    for token, start in zip(lp["tokens"], offsets):
+        if "\ufffd" not in token and (echo or token not in SPECIALS):
+            assert text[start : start + len(token)] == token, (token, start, text)
+    with httpx.Client(trust_env=False, timeout=120) as c:
+        streamed = c.post(
+            f"{live.url}{COMPLETIONS}", json={"model": NAME, "stream": True, "temperature": 0, **body}
+        )
+    chunks = [
+        json.loads(line[6:])["choices"] for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    parts = [choice[0] for choice in chunks if choice]
+    assert "".join(p["text"] for p in parts) == text
+    assert [o for p in parts if p["logprobs"] for o in p["logprobs"]["text_offset"]] == offsets
 
 
 def test_chat_top_logprobs_list_the_true_top_tokens_in_order(http, tiny_dir):

@@ -30,7 +30,13 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     started: bool = False  # its echo (prompt text and log probabilities) went out
-    offset: int = 0  # characters so far, for a completion's text_offset
+    # a completion's text_offset: characters so far, the tokens counted, how many of them are the echoed
+    # prompt (its text keeps special tokens, the generated text does not), and the stream decoder counting
+    # them (a token inside a character adds none until the character is whole, as the text is sent)
+    offset: int = 0
+    counted: int = 0
+    echoed: int = 0
+    counter: object = None
 
 
 @dataclass
@@ -80,6 +86,7 @@ class Reply:
                 if event.prompt_logprobs is not None:
                     first = TokenLogprob(ids[0], None, [])  # the first prompt token has no log probability
                     entries = [first, *event.prompt_logprobs[1:], *entries]
+                    c.echoed = len(ids)
         c.parts.append(text)
         c.logprobs.extend(entries)
         return text, entries
@@ -101,10 +108,20 @@ class Reply:
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
         tokens = [self._token(e.token) for e in entries]
-        offsets = []
-        for t in tokens:
-            offsets.append(choice.offset)
-            choice.offset += len(t)
+        offsets = []  # where each token's text starts in the choice's text
+        for e, own in zip(entries, tokens):
+            answer = choice.counted >= choice.echoed  # the echoed prompt's tokens come first
+            if choice.counter is None or choice.counted == choice.echoed:
+                if choice.counter is not None:  # the prompt's last characters, then the answer's
+                    choice.offset += len(choice.counter.flush())
+                choice.counter = self.tokenizer.stream_decoder(skip_special_tokens=answer)
+            delta = choice.counter.push(e.token)
+            # a whole token ends the text it completes (after the U+FFFD of broken bytes before it); a
+            # token inside a character starts where the text sent so far ends
+            whole = own and "\ufffd" not in own and delta.endswith(own)
+            offsets.append(choice.offset + (len(delta) - len(own) if whole else 0))
+            choice.offset += len(delta)
+            choice.counted += 1
         tops = []
         for e in entries:
             top = None
@@ -133,7 +150,7 @@ class Reply:
         """The non-streamed response."""
         choices = []
         for index, c in enumerate(self.state):
-            c.offset = 0
+            c.offset, c.counted, c.counter = 0, 0, None
             logprobs = self._logprobs(c.logprobs, c)
             text = "".join(c.parts)
             if self.chat:
