@@ -200,3 +200,26 @@ def test_prompt_longer_than_static_cache(default_model):
         default_model.generate("word " * 300, max_cache_len=64, max_new_tokens=4)
     with pytest.raises(ValueError, match="max_cache_len"):
         default_model.generate("word " * 60, max_cache_len=64, max_new_tokens=10)
+
+
+def test_a_generation_whose_cache_a_later_one_took_fails_clearly_and_the_later_one_is_right(default_model):
+    """Generations of one shape share the model's reusable static cache. A stream resumed after a later
+    generation took it is one ValueError (it went on from the other prompt's keys and values, silently),
+    the later one gives its solo text, and a stream left unfinished does not stop the next generation."""
+    m = default_model
+    solo = {p: m.generate(p, max_new_tokens=10).texts[0] for p in ("The sea is", "Tell me a story")}
+    first, second = m.stream("The sea is", max_new_tokens=10), m.stream("Tell me a story", max_new_tokens=10)
+    next(second)
+    first_head = next(first)  # takes the cache from `second`
+    with pytest.raises(ValueError, match="taken by a later generation"):
+        next(second)
+    assert first_head + "".join(first) == solo["The sea is"]  # the later one is right to its end
+    paused = m.start(["Tell me a story"], tierlm.GenerationConfig(max_new_tokens=10)).stream()
+    next(paused)
+    assert m.generate("The sea is", max_new_tokens=10).texts[0] == solo["The sea is"]
+    with pytest.raises(ValueError, match="taken by a later generation"):
+        list(paused)
+    for i, _ in enumerate(m.stream("Tell me a story", max_new_tokens=10)):
+        if i == 1:
+            break  # left unfinished, never resumed
+    assert m.generate("Tell me a story", max_new_tokens=10).texts[0] == solo["Tell me a story"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class Model:
         self.streamer = streamer
         self.device_map: dict[str, str] = placement.module_map if placement else {"": "cpu"}
         self._static_caches: dict[tuple, StaticCache] = {}
+        # Generations share the reusable cache of their shape: taking it, and each unit of work on it, hold
+        # this lock, and a generation whose cache another took since fails at its next unit (Generation)
+        self.work_lock = threading.RLock()
         self._compiled = CompiledSteps()  # the compiled decode steps built for those caches
         self.packages = None  # tierlm.aot.Packages: whole steps built ahead of time (use_compiled_packages)
 

@@ -128,6 +128,7 @@ class Generation:
         pad = tok.pad_token_id if tok is not None else cfg.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.batch: Batch = left_pad(rows, self.pad_id, model.device)
+        self.holder = object()  # what this generation stamps on the model's shared cache it takes
         self.cache = self._make_cache(self.batch.ids.shape[1], own_cache)
         if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
             raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
@@ -171,11 +172,22 @@ class Generation:
             self.model.decoder.ensure_rope(width + c.max_new_tokens, device)
             return DynamicCache(cfg, b, device)
         self.model.decoder.ensure_rope(length, device)
-        return (
-            StaticCache(cfg, b, length, self.model.dtype, device)
-            if own
-            else self.model.static_cache(b, length)
-        )
+        if own:
+            return StaticCache(cfg, b, length, self.model.dtype, device)
+        with self.model.work_lock:  # not while another generation's unit of work runs on it
+            cache = self.model.static_cache(b, length)
+            cache.holder = self.holder
+        return cache
+
+    def _check_holder(self) -> None:
+        """One clear error where a later generation of this shape took the model's shared cache: this one's
+        keys and values are gone (it would go on from another prompt's)."""
+        if getattr(self.cache, "holder", self.holder) is not self.holder:
+            raise ValueError(
+                "this generation's cache was taken by a later generation of the same shape on this model (one "
+                "reusable cache per batch and length): finish a stream before starting another, or start it "
+                "with own_cache=True"
+            )
 
     def _prefill(self) -> Generator[list[StepEvent], None, torch.Tensor]:
         """Feed the prompt to the cache `prefill_chunk` columns at a time, yielding [] between chunks.
@@ -242,7 +254,13 @@ class Generation:
             self.state,
             self._tracked(should_stop),
         )
-        yield from loop
+        while True:  # each unit of work (a prefill chunk, a decode step) holds the model's cache
+            with self.model.work_lock:
+                self._check_holder()
+                events = next(loop, None)
+            if events is None:
+                return
+            yield events
 
     def _sampler(self) -> Sampler:
         eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.batch.ids.device)
