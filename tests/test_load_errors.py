@@ -280,6 +280,9 @@ def test_gguf_reader_reads_metadata_and_tensors_like_ggufs_own(tmp_path, endian)
     [
         ({"device": "tpu"}, "device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got 'tpu'"),
         ({"device": "disk"}, "'disk' is a tier of a device map, not a device"),
+        ({"device_map": {"": "cpu"}, "execution_device": "disk"}, "execution_device must be 'cpu', 'cuda'"),
+        ({"dtype": __import__("torch").int8}, "unknown dtype torch.int8; use one of auto, float32"),
+        ({"dtype": __import__("torch").float64}, "unknown dtype torch.float64"),
     ],
 )
 def test_a_device_tierlm_does_not_run_on_is_named(tiny_checkpoints, kwargs, says):

@@ -91,6 +91,8 @@ def plan(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     dev = _device(device)
+    if execution_device is not None:
+        execution_device = str(_device(execution_device, "execution_device"))
     cfg, target = _header(path, dtype, dev)
     quant = _quantization(quantize, group_size, dtype, path, dev, device_map, max_memory, execution_device)
     names, sizes, tied = parameter_table(cfg, target, quant)
@@ -126,7 +128,7 @@ def plan(
     )
 
 
-def _device(device) -> torch.device:
+def _device(device, name: str = "device") -> torch.device:
     """`device` as a torch.device tierlm runs on (cpu, cuda, cuda:N, mps), else one ValueError naming it."""
     valid = "'cpu', 'cuda', 'cuda:N' or 'mps'"
     try:
@@ -135,7 +137,7 @@ def _device(device) -> torch.device:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "mps"):
         tier = " ('disk' is a tier of a device map, not a device)" if device == "disk" else ""
-        raise ValueError(f"device must be {valid}, got {device!r}{tier}")
+        raise ValueError(f"{name} must be {valid}, got {device!r}{tier}")
     return dev
 
 

@@ -68,6 +68,8 @@ def default_gguf_dtype(device: torch.device) -> torch.dtype:
 def resolve_dtype(dtype: str | torch.dtype, checkpoint: Checkpoint, device: torch.device) -> torch.dtype:
     """float32 / bfloat16 / float16, or "auto": the checkpoint's own (fp16 becomes fp32 on CPU)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in set(DTYPES.values()):
+            raise ValueError(f"unknown dtype {dtype}; use one of auto, float32, bfloat16, float16")
         return dtype
     if dtype != "auto":
         try:
