@@ -223,3 +223,21 @@ def test_a_generation_whose_cache_a_later_one_took_fails_clearly_and_the_later_o
         if i == 1:
             break  # left unfinished, never resumed
     assert m.generate("Tell me a story", max_new_tokens=10).texts[0] == solo["Tell me a story"]
+
+
+@pytest.mark.parametrize(
+    "prompt, settings, says",
+    [
+        ([[1, 49152]], {}, "prompt 0 has token id 49152; this model's ids are in [0, 49152)"),
+        ([[1, -3]], {}, "prompt 0 has token id -3"),
+        ("Hi", {"logprobs": 10**9}, "logprobs must be <= the vocabulary size 49152"),
+        ("Hi", {"prompt_logprobs": 49153}, "prompt_logprobs must be <= the vocabulary size 49152"),
+        ("Hi", {"logit_bias": {49152: 5.0}}, "logit_bias names token id 49152"),
+    ],
+)
+def test_token_ids_and_counts_past_the_vocabulary_are_one_error(default_model, prompt, settings, says):
+    """Checked before any work, not an IndexError from the embedding or a top-k out of range."""
+    with pytest.raises(ValueError) as err:
+        default_model.generate(prompt, max_new_tokens=2, **settings)
+    assert says in str(err.value)
+    assert default_model.generate("Hi", max_new_tokens=2).token_ids[0]  # still usable

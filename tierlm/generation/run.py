@@ -117,6 +117,8 @@ class Generation:
         tok = model.tokenizer
         n = config.n
         prompt_rows = encode_prompts(tok, prompts)
+        _check_ids(prompt_rows, model.config.vocab_size)
+        _check_vocab_settings([config, *(row_configs or [])], model.config.vocab_size)
         rows = [r for r in prompt_rows for _ in range(n)]
         self.n, self.prompt_count = n, len(prompt_rows)
         self.row_configs = [c for c in (row_configs or [config] * len(prompt_rows)) for _ in range(n)]
@@ -412,6 +414,26 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     if any(len(r) == 0 for r in rows):
         raise ValueError("empty prompt: every prompt needs at least one token")
     return rows
+
+
+def _check_ids(rows: list[list[int]], vocab: int) -> None:
+    """Token ids in [0, vocab), else one ValueError naming the first that is not (the embedding would
+    raise an IndexError from inside torch)."""
+    for r, row in enumerate(rows):
+        bad = next((i for i in row if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt {r} has token id {bad}; this model's ids are in [0, {vocab})")
+
+
+def _check_vocab_settings(configs, vocab: int) -> None:
+    """Settings that name token ids or count them fit the vocabulary (else errors from inside torch)."""
+    for c in configs:
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(c, name) or 0) > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
+        bad = next((i for i, _ in c.logit_bias if not 0 <= i < vocab), None) if c.logit_bias else None
+        if bad is not None:
+            raise ValueError(f"logit_bias names token id {bad}; this model's ids are in [0, {vocab})")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
