@@ -241,3 +241,27 @@ def test_token_ids_and_counts_past_the_vocabulary_are_one_error(default_model, p
         default_model.generate(prompt, max_new_tokens=2, **settings)
     assert says in str(err.value)
     assert default_model.generate("Hi", max_new_tokens=2).token_ids[0]  # still usable
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(default_model):
+    """Logits / 1e-45 overflow to inf; the draw then picked token 0 every step. Below SAMPLING_EPS (as
+    vLLM's) sampling is the argmax."""
+    greedy = default_model.generate("The sea is", max_new_tokens=6).token_ids
+    for t in (1e-45, 1e-300, 1e-6):
+        tiny = default_model.generate("The sea is", max_new_tokens=6, do_sample=True, temperature=t, seed=0)
+        assert tiny.token_ids == greedy
+
+
+def test_stream_and_start_say_what_they_take(default_model):
+    import torch
+
+    m = default_model
+    with pytest.raises(ValueError, match="for n > 1 use stream_batch"):
+        list(m.stream("Once", max_new_tokens=3, n=2, do_sample=True, seed=1))
+    with pytest.raises(ValueError, match="generation_config must be a GenerationConfig or None"):
+        m.generate("Hi", {"max_new_tokens": 3})
+    with pytest.raises(ValueError, match="generation_config must be a GenerationConfig or None"):
+        m.start(["Hi"], {"max_new_tokens": 3})
+    ids = m.tokenizer.encode("The sea is")
+    text = m.generate("The sea is", max_new_tokens=4).texts[0]
+    assert "".join(m.stream(torch.tensor(ids), max_new_tokens=4)) == text  # a 1-d id tensor is one prompt

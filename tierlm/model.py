@@ -86,8 +86,14 @@ class Model:
 
     def stream(self, prompt, generation_config: GenerationConfig | None = None, **overrides):
         """Yield text deltas for one prompt as tokens are generated."""
-        for row, delta, _finished, _reason in self.stream_batch([prompt], generation_config, **overrides):
-            assert row == 0
+        config = GenerationConfig.from_overrides(generation_config, **overrides)
+        if config.n > 1:
+            raise ValueError("stream() yields one sequence's text; for n > 1 use stream_batch() or start()")
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] != 1:
+            raise ValueError("stream() takes one prompt; for a batch of token-id rows use stream_batch()")
+        for _row, delta, _finished, _reason in self.stream_batch(
+            prompt if isinstance(prompt, torch.Tensor) else [prompt], config
+        ):
             if delta:
                 yield delta
 
@@ -101,6 +107,7 @@ class Model:
 
     def start(self, prompts, config: GenerationConfig, **rows) -> Generation:
         """A generation to drive step by step (`.stream()`, `.cancel(row)`, `.result()`); see Generation."""
+        config = GenerationConfig.from_overrides(config)  # a GenerationConfig or None, named if not
         with torch.inference_mode():
             return Generation(self, prompts, config, **rows)
 

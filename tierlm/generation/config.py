@@ -13,6 +13,8 @@ from tierlm.generation.response_format import ResponseFormat, parse_response_for
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
+SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily
+
 
 def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
@@ -178,8 +180,9 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding takes the argmax: do_sample is off or temperature is 0."""
-        return not self.do_sample or self.temperature == 0
+        """True when decoding takes the argmax: do_sample is off or the temperature is below SAMPLING_EPS (as
+        vLLM's: dividing logits by 1e-45 overflows to inf, and the softmax of infs picked token 0)."""
+        return not self.do_sample or self.temperature < SAMPLING_EPS
 
     def replace(self, **overrides: Any) -> GenerationConfig:
         """A copy with the given fields changed, validated again."""
@@ -195,4 +198,9 @@ class GenerationConfig:
     @classmethod
     def from_overrides(cls, base: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:
         """base (or the defaults) with the overrides that are not None applied, e.g. from CLI flags."""
+        if base is not None and not isinstance(base, GenerationConfig):
+            raise ValueError(
+                f"generation_config must be a GenerationConfig or None, got {_describe(base)} "
+                "(settings go as keyword arguments: generate(prompt, max_new_tokens=8))"
+            )
         return (base or cls()).replace(**{k: v for k, v in overrides.items() if v is not None})
