@@ -129,3 +129,11 @@ def test_from_overrides_applies_only_given_values():
     config = GenerationConfig.from_overrides(base, temperature=None, top_k=5, seed=None)
     assert (config.temperature, config.top_k, config.seed) == (0.7, 5, 3)
     assert GenerationConfig.from_overrides(None, max_new_tokens=8).max_new_tokens == 8
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e39), ("repetition_penalty", 1e300)])
+def test_settings_the_sampler_cannot_hold_as_float32_are_refused(field, value):
+    """Accepted before, they overflowed later inside torch ("value cannot be converted to type float")."""
+    with pytest.raises(ValueError, match=f"{field} must fit a float32"):
+        GenerationConfig(**{field: value})
+    assert getattr(GenerationConfig(**{field: 1e30}), field) == 1e30

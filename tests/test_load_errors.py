@@ -312,3 +312,11 @@ def test_a_budget_beside_a_dict_map_is_an_error_not_ignored(tiny_checkpoints):
         plan(tiny_checkpoints["llama"], device_map={"": "cpu"}, max_memory={"cpu": "1GB"})
     assert "the budget would be ignored" in one_line(err)
     assert plan(tiny_checkpoints["llama"], device_map="auto", max_memory={"cpu": "1GB"}).placement.resident
+
+
+@pytest.mark.parametrize("group_size", [0, -32, 64.0, "32", True])
+def test_a_group_size_that_is_not_a_positive_int_is_named(tiny_checkpoints, group_size):
+    """0 was taken as "the default", a float failed inside torch."""
+    with pytest.raises(ValueError) as err:
+        tierlm.load(tiny_checkpoints["llama"], quantize="int4", group_size=group_size)
+    assert f"group_size must be a positive int (or None: the default), got {group_size!r}" == one_line(err)

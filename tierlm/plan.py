@@ -164,6 +164,10 @@ def _quantization(
     (`cpu.keeps_quantized_as_int8`); otherwise every weight is float. None: float; "int8" / "int4": as
     asked."""
     types = functools.cache(lambda: gguf_cache.projection_types(path))  # at most one read of the header
+    if group_size is not None and (
+        isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+    ):
+        raise ValueError(f"group_size must be a positive int (or None: the default), got {group_size!r}")
     if quantize == "auto":
         quantize = None
         if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
@@ -174,7 +178,9 @@ def _quantization(
                 quantize = "int8"
     if quantize is None:
         return None
-    return Quantization(quantize, group_size or gguf_cache.default_int4_group(types()))
+    return Quantization(
+        quantize, group_size if group_size is not None else gguf_cache.default_int4_group(types())
+    )
 
 
 def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device) -> bool:

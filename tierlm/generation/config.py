@@ -14,6 +14,7 @@ from tierlm.generation.response_format import ResponseFormat, parse_response_for
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
 
 SAMPLING_EPS = 1e-5  # a temperature below this decodes greedily
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and penalties are float32 in the sampler's tables
 
 
 def _describe(value: Any) -> str:
@@ -148,8 +149,14 @@ class GenerationConfig:
         self._set("top_p", _check_float("top_p", p, "in (0, 1]", _in(p, 0, 1) and p > 0))
         self._set("min_p", _check_float("min_p", m, "in [0, 1)", _in(m, 0, 1) and m < 1))
         self._set(
-            "repetition_penalty", _check_float("repetition_penalty", r, "> 0", _in(r, 0, math.inf) and r > 0)
+            "repetition_penalty",
+            _check_float("repetition_penalty", r, "> 0", _in(r, 0, math.inf) and r > 0),
         )
+        for name in ("temperature", "repetition_penalty"):  # the sampler keeps them as float32
+            if getattr(self, name) > FLOAT32_MAX:
+                raise ValueError(
+                    f"{name} must fit a float32 (at most {FLOAT32_MAX:.4g}), got {getattr(self, name)!r}"
+                )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             self._set(name, _check_float(name, v, "in [-2, 2]", _in(v, -2, 2)))
