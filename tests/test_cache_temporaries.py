@@ -114,6 +114,25 @@ def test_next_offloaded_load_removes_a_killed_writers_folder_not_a_live_ones(
     assert os.path.exists(live_paths[1])
 
 
+def test_an_offload_folder_keeps_a_users_files_that_look_like_a_dead_writers(
+    writers, tiny_checkpoints, tmp_path
+):
+    """The offload folder is the user's to choose (their home, a project folder): only temporaries of names
+    tierlm writes there go, never a file of theirs that happens to look like a killed writer's."""
+    _, dead_paths, _, dead_pid = writers
+    folder = tmp_path / "offload"
+    theirs = [
+        folder / f".notes.txt.tmp-{dead_pid}",
+        folder / f".report.{dead_pid}.tmp",
+        folder / ".draft.old-1-0",
+    ]
+    for path in theirs:
+        path.write_text("the user's")
+    tierlm.load(tiny_checkpoints["llama"], dtype="bfloat16", device_map=DISK_MAP, offload_folder=folder)
+    assert not os.path.exists(dead_paths[1])  # tierlm's own leftover still goes
+    assert [p.read_text() for p in theirs] == ["the user's"] * 3
+
+
 def test_killed_gguf_cache_write_leaves_a_temporary_the_next_load_removes(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     script = textwrap.dedent(

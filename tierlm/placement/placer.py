@@ -20,7 +20,14 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
-from tierlm.weights.files import commit_folder, file_identity, folder_matches, fresh_tmp_folder, identity_key
+from tierlm.weights.files import (
+    commit_folder,
+    file_identity,
+    folder_matches,
+    fresh_tmp_folder,
+    identity_key,
+    offload_entry,
+)
 from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
 from tierlm.weights.temporaries import remove_stale_temporaries
 
@@ -204,7 +211,7 @@ def disk_sources(
     checkpoint, dtype and layout. Names in `transposed` are stored there transposed (weights/layout.py)
     and returned as `.T` views of their shape. What killed writers left in the offload folder goes first.
     """
-    remove_stale_temporaries(offload_folder)
+    remove_stale_temporaries(offload_folder, offload_entry)
     converted = [n for n in names if checkpoint.dtype(n) != dtype or n in transposed]
     files: dict[str, Path] = {n: checkpoint.files[n] for n in names if n not in converted}
     flipped = frozenset(n for n in converted if n in transposed)

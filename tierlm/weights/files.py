@@ -11,6 +11,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -88,13 +89,20 @@ def folder_matches(folder: Path, want: dict) -> bool:
     return manifest.is_file() and json.loads(manifest.read_text()) == want
 
 
+def offload_entry(name: str) -> bool:
+    """Whether `name` is one tierlm writes in an offload folder: <key>[-<what>] with key an identity_key
+    (or "resident" for packed weights of a resident checkpoint). The folder is the user's to choose, so
+    only temporaries of such names are ever swept from it."""
+    return re.match(r"(?:[0-9a-f]{20}|resident)(?:-|$)", name) is not None
+
+
 def fresh_tmp_folder(folder: Path) -> Path:
-    """An empty temporary folder beside `folder`, to fill and then commit_folder(); what killed writers
-    left beside it goes first."""
+    """An empty temporary folder beside `folder` (an entry of an offload folder), to fill and then
+    commit_folder(); what killed writers left beside it goes first."""
     tmp = temporary(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(folder.parent)
+        remove_stale_temporaries(folder.parent, offload_entry)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:

@@ -16,12 +16,13 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 OTHER_HOST_STALE_S = 24 * 3600
 _NAME = re.compile(
-    r"^\..+\.(?:(?:tmp|old)-(?P<pid>\d+)(?:-(?P<start>\d+)(?:-(?P<host>[A-Za-z0-9.-]+))?)?|(?P<legacy>\d+)\.tmp)$"
+    r"^\.(?P<final>.+)\.(?:(?:tmp|old)-(?P<pid>\d+)(?:-(?P<start>\d+)(?:-(?P<host>[A-Za-z0-9.-]+))?)?|(?P<legacy>\d+)\.tmp)$"
 )
 
 
@@ -118,12 +119,21 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def stale_temporaries(folder: Path) -> list[Path]:
-    """Temporaries directly inside `folder` whose writer is gone."""
+def final_name(path: Path) -> str | None:
+    """The name of the path a temporary stands for; None if `path` is not a temporary."""
+    m = _NAME.match(path.name)
+    return m["final"] if m else None
+
+
+def stale_temporaries(folder: Path, owned: Callable[[str], bool] | None = None) -> list[Path]:
+    """Temporaries directly inside `folder` whose writer is gone; with `owned`, only those whose final
+    name it accepts (in a folder the user chose, a stray file of theirs may look like a temporary)."""
     try:
         entries = list(folder.iterdir())
     except OSError:  # no folder (yet): nothing left behind
         return []
+    if owned is not None:
+        entries = [p for p in entries if (name := final_name(p)) is not None and owned(name)]
     return sorted(p for p in entries if _stale_or_gone(p))
 
 
@@ -134,10 +144,10 @@ def _stale_or_gone(path: Path) -> bool:
         return False
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Remove what dead writers left directly inside `folder`; the paths removed."""
+def remove_stale_temporaries(folder: Path, owned: Callable[[str], bool] | None = None) -> list[Path]:
+    """Remove what dead writers left directly inside `folder` (see stale_temporaries); the paths removed."""
     removed = []
-    for path in stale_temporaries(folder):
+    for path in stale_temporaries(folder, owned):
         try:
             remove(path)
         except OSError:  # not ours to remove (permissions): it stays, the load goes on
