@@ -195,6 +195,56 @@ def test_empty_prompt_is_an_error(default_model):
         default_model.generate(["ok", ""])
 
 
+@pytest.mark.parametrize(
+    "prompt, says",
+    [
+        ([[1, 2.5]], "prompt 0 has 2.5 (float) where a token id (an int) goes"),
+        ([["1", "2"]], "prompt 0 has '1' (str)"),
+        ([[1], [True]], "prompt 1 has True (bool)"),
+        ([1, 2, None], "prompt 0 has None (NoneType)"),
+        (torch.empty(1, 0, dtype=torch.long), "empty prompt"),
+        (torch.empty(0, dtype=torch.long), "empty prompt"),
+    ],
+)
+def test_token_ids_that_are_not_ints_are_one_error(default_model, prompt, says):
+    """int() would have truncated 2.5 or parsed "1" into some other prompt; an empty tensor was a reshape
+    error from inside torch."""
+    with pytest.raises(ValueError) as err:
+        default_model.generate(prompt, max_new_tokens=2)
+    assert says in str(err.value)
+
+
+def test_a_flat_list_of_ids_is_one_prompt(default_model):
+    ids = default_model.tokenizer.encode("The sea is")
+    assert (
+        default_model.generate(ids, max_new_tokens=4).token_ids
+        == default_model.generate([ids], max_new_tokens=4).token_ids
+    )
+
+
+def test_a_static_cache_too_big_to_allocate_is_one_error_and_the_model_goes_on(default_model):
+    """prompt + max_new_tokens may pass the context (as in transformers), but a cache that cannot be
+    allocated is a ValueError naming max_new_tokens, not an OverflowError or an allocator's RuntimeError."""
+    for huge in (10**30, 2**44):
+        with pytest.raises(ValueError, match=f"max_new_tokens={huge}\\) cannot be allocated"):
+            default_model.generate("Hi", max_new_tokens=huge)
+    assert default_model.generate("Hi", max_new_tokens=2).token_ids[0]
+
+
+def test_a_dynamic_cache_grows_the_rotary_tables_past_their_first_size(tiny_checkpoints):
+    """A dynamic cache sizes nothing up front (max_new_tokens=10**30 runs until EOS, as in transformers): the
+    eager step grows the rotary tables as the cache grows, so tokens past the first 4096-position table equal
+    the static cache's (which sizes its tables once)."""
+    m = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
+    prompt = [[1, 2, 3]]
+    dynamic = m.generate(prompt, max_new_tokens=4400, min_new_tokens=4400, cache_implementation="dynamic")
+    static = m.generate(prompt, max_new_tokens=4400, min_new_tokens=4400)
+    assert len(dynamic.token_ids[0]) == 4400 and dynamic.token_ids == static.token_ids
+    assert m.generate(
+        prompt, max_new_tokens=10**30, cache_implementation="dynamic", eos_token_id=[0, 1, 2, 3]
+    )
+
+
 def test_prompt_longer_than_static_cache(default_model):
     with pytest.raises(ValueError, match="longer than the static cache"):
         default_model.generate("word " * 300, max_cache_len=64, max_new_tokens=4)

@@ -129,8 +129,11 @@ class Model:
         """The decode step run eagerly: step(tokens, positions, slots, length) -> logits [batch, vocab],
         attending over the `length` slots in use, not the whole cache."""
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
+        grows = not isinstance(cache, StaticCache)  # a dynamic cache: no position bound known up front
 
         def step(tokens, positions, slots, length):
+            if grows:  # this step's positions are < the columns cached so far + 1
+                self.decoder.ensure_rope(cache.valid.shape[1] + 1, self.device)
             logits = self.decoder(
                 tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots, length=length
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -170,15 +171,25 @@ class Generation:
         c, cfg, device = self.config, self.model.config, self.model.device
         b = self.batch.ids.shape[0]
         length = static_cache_length(c, cfg, width)
-        if length is None:
-            self.model.decoder.ensure_rope(width + c.max_new_tokens, device)
+        if length is None:  # the eager step grows the rotary tables as a dynamic cache grows
+            self.model.decoder.ensure_rope(width + 1, device)
             return DynamicCache(cfg, b, device)
-        self.model.decoder.ensure_rope(length, device)
-        if own:
-            return StaticCache(cfg, b, length, self.model.dtype, device)
-        with self.model.work_lock:  # not while another generation's unit of work runs on it
-            cache = self.model.static_cache(b, length)
-            cache.holder = self.holder
+        try:
+            self.model.decoder.ensure_rope(length, device)
+            if own:
+                return StaticCache(cfg, b, length, self.model.dtype, device)
+            with self.model.work_lock:  # not while another generation's unit of work runs on it
+                cache = self.model.static_cache(b, length)
+                cache.holder = self.holder
+        except (
+            RuntimeError,
+            OverflowError,
+        ) as e:  # out of memory (torch's OutOfMemoryError is a RuntimeError)
+            raise ValueError(
+                f"a static cache of {length} slots (prompt of {width} tokens plus max_new_tokens="
+                f"{c.max_new_tokens}) cannot be allocated: {str(e).splitlines()[0]}; lower max_new_tokens or set "
+                "max_cache_len"
+            ) from None
         return cache
 
     def _check_holder(self) -> None:
@@ -396,24 +407,46 @@ def static_cache_length(config: GenerationConfig, model_config, width: int) -> i
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:
-    """A string, a list of strings, or token ids ([s] or [b, s] LongTensor, or lists of ints)."""
+    """A string, a list of strings, or token ids: a LongTensor of shape [seq] or [batch, seq], a list of
+    ints (one prompt) or a list of lists of ints."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dtype not in (torch.long, torch.int32) or prompts.dim() not in (1, 2):
             raise ValueError("token-id prompts must be a LongTensor of shape [seq] or [batch, seq]")
+        if prompts.numel() == 0:
+            raise ValueError("empty prompt: every prompt needs at least one token")
         rows = prompts.reshape(-1, prompts.shape[-1]).tolist()
     elif isinstance(prompts, str):
         rows = [_encode(tokenizer, prompts)]
     elif isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
         rows = [_encode(tokenizer, p) for p in prompts]
     elif isinstance(prompts, list) and prompts and all(isinstance(p, list) for p in prompts):
-        rows = [list(map(int, p)) for p in prompts]
+        rows = [_token_ids(p, r) for r, p in enumerate(prompts)]
+    elif isinstance(prompts, list) and prompts and not any(isinstance(p, (str, list)) for p in prompts):
+        rows = [_token_ids(prompts, 0)]
     else:
         raise ValueError(
-            "prompts must be a string, a non-empty list of strings, or a LongTensor of token ids"
+            "prompts must be a string, a non-empty list of strings, token ids (a list of ints, or one list "
+            "of ints per prompt) or a LongTensor of token ids"
         )
     if any(len(r) == 0 for r in rows):
         raise ValueError("empty prompt: every prompt needs at least one token")
     return rows
+
+
+def _token_ids(row: list, r: int) -> list[int]:
+    """A prompt's token ids as ints; anything that is not an integer (1.5, "1", True) is one error (int()
+    would truncate or parse it into some other prompt)."""
+    out = []
+    for i in row:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            raise ValueError(
+                f"prompt {r} has {i!r} ({type(i).__name__}) where a token id (an int) goes"
+            ) from None
+    return out
 
 
 def _check_ids(rows: list[list[int]], vocab: int) -> None:

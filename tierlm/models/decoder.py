@@ -144,10 +144,12 @@ class Decoder(nn.Module):
         size = -(-max(length, 1) // ROPE_CHUNK) * ROPE_CHUNK
         cfg = self.config
         cos, sin = rope_tables(cfg, size, device)  # computed in fp32, stored in the model dtype
-        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        tables = {"rope_cos": cos.to(dtype), "rope_sin": sin.to(dtype)}
         if any(self.sliding):
             cos, sin = rope_tables(cfg, size, device, cfg.rope_local_theta, RopeScaling())
-            self.local_cos, self.local_sin = cos.to(dtype), sin.to(dtype)
+            tables.update(local_cos=cos.to(dtype), local_sin=sin.to(dtype))
+        for name, table in tables.items():  # all or none (an allocation may fail for a huge length)
+            setattr(self, name, table)
 
     def forward(
         self,
