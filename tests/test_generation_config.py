@@ -137,3 +137,35 @@ def test_settings_the_sampler_cannot_hold_as_float32_are_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} must fit a float32"):
         GenerationConfig(**{field: value})
     assert getattr(GenerationConfig(**{field: 1e30}), field) == 1e30
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"mode": "fast"}, "CompileConfig.mode: Unrecognized mode=fast"),
+        ({"mode": 3}, "CompileConfig.mode must be None or a torch.compile mode name"),
+        ({"backend": "inductr"}, "'inductr' is not a torch.compile backend (did you mean 'inductor'?)"),
+        ({"backend": 3}, "CompileConfig.backend must be a backend name or a callable"),
+        ({"options": {"freezin": True}}, "'freezin' is not an inductor option (did you mean 'freezing'?)"),
+        ({"options": ["freezing"]}, "CompileConfig.options must be a dict"),
+        (
+            {"backend": "eager", "options": {"freezing": True}},
+            "options are inductor's; backend 'eager' takes none",
+        ),
+        ({"fullgraph": 1}, "CompileConfig.fullgraph must be True or False, got 1"),
+        ({"freezing": "yes"}, "CompileConfig.freezing must be True or False or None"),
+        ({"cpp_wrapper": 0}, "CompileConfig.cpp_wrapper must be True or False or None"),
+    ],
+)
+def test_compile_config_checks_what_torch_compile_would_refuse_minutes_later(kwargs, says):
+    """A CompileConfig is built before the load; torch.compile sees it at the first compiled step (or, for
+    options, silently ignores them for a backend other than inductor). Each mistake is one ValueError now."""
+    with pytest.raises(ValueError) as err:
+        CompileConfig(**kwargs)
+    assert says in str(err.value)
+
+
+def test_compile_config_takes_torch_compile_values():
+    for kwargs in ({"mode": "max-autotune"}, {"backend": "aot_eager"}, {"options": {"cpp.simdlen": 256}}):
+        CompileConfig(**kwargs)
+    CompileConfig(backend=lambda gm, inputs: gm)

@@ -6,6 +6,7 @@ generation config (never at a loaded model), so any placement can be reasoned ab
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ class CompileSkippedWarning(UserWarning):
 
 
 SCOPES = ("model", "layer")
+KNOWN_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 # A CPU step's Python wrapper runs on every decode step, and inductor's checks of each extern kernel's
 # output size, strides and alignment (two calls per kernel: ~240 a step for the default model at int4) were
@@ -67,6 +69,16 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"CompileConfig.scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        for name in ("fullgraph", "dynamic", "freezing", "cpp_wrapper"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name in ("freezing", "cpp_wrapper")):
+                valid = "True or False" + (" or None" if name in ("freezing", "cpp_wrapper") else "")
+                raise ValueError(f"CompileConfig.{name} must be {valid}, got {value!r}")
+        _check_backend(self.backend)
+        if self.mode is not None:
+            _check_mode(self.mode)
+        if self.options is not None:
+            _check_options(self.options, self.backend)
 
     def __hash__(self) -> int:
         opts = tuple(sorted((self.options or {}).items()))
@@ -123,6 +135,51 @@ class CompileConfig:
         options.update(self.options or {})
         kwargs["options"] = options
         return kwargs
+
+
+def _check_backend(backend: Any) -> None:
+    """A torch.compile backend: a name torch registers or a callable (names are checked here, not at the
+    first compiled step after a load)."""
+    if callable(backend) or backend == "inductor":
+        return
+    if not isinstance(backend, str):
+        raise ValueError(f"CompileConfig.backend must be a backend name or a callable, got {backend!r}")
+    import torch._dynamo
+
+    names = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in names:
+        close = difflib.get_close_matches(backend, names, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "e.g. 'inductor', 'eager', 'aot_eager'"
+        raise ValueError(f"CompileConfig.backend {backend!r} is not a torch.compile backend ({hint})")
+
+
+def _check_mode(mode: Any) -> None:
+    if mode in KNOWN_MODES:
+        return
+    if not isinstance(mode, str):
+        raise ValueError(f"CompileConfig.mode must be None or a torch.compile mode name, got {mode!r}")
+    import torch._inductor
+
+    try:
+        torch._inductor.list_mode_options(mode)  # a mode a newer torch added passes
+    except RuntimeError as e:
+        raise ValueError(f"CompileConfig.mode: {e}") from None
+
+
+def _check_options(options: Any, backend: Any) -> None:
+    """inductor's options (torch.compile takes them only for inductor): a dict of its config names."""
+    if backend != "inductor":
+        raise ValueError(f"CompileConfig.options are inductor's; backend {backend!r} takes none")
+    if not isinstance(options, Mapping):
+        raise ValueError(f"CompileConfig.options must be a dict of inductor option names, got {options!r}")
+    import torch._inductor.config
+
+    known = torch._inductor.config.get_config_copy()
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"CompileConfig.options: {key!r} is not an inductor option{hint}")
 
 
 @dataclass(frozen=True)
