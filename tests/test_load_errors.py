@@ -320,3 +320,15 @@ def test_a_group_size_that_is_not_a_positive_int_is_named(tiny_checkpoints, grou
     with pytest.raises(ValueError) as err:
         tierlm.load(tiny_checkpoints["llama"], quantize="int4", group_size=group_size)
     assert f"group_size must be a positive int (or None: the default), got {group_size!r}" == one_line(err)
+
+
+@pytest.mark.parametrize(
+    "quantize, says",
+    [("int8", "int8 weights are quantized per output channel"), (None, "quantize=None keeps float weights")],
+)
+def test_a_group_size_where_nothing_is_grouped_is_named(tiny_checkpoints, quantize, says):
+    """It was silently ignored: a user asking int8 in groups of 32 got per-channel int8 without a word."""
+    with pytest.raises(ValueError) as err:
+        tierlm.load(tiny_checkpoints["llama"], quantize=quantize, group_size=32)
+    assert one_line(err) == f"group_size is int4's (quantize='int4' or 'auto'); {says}"
+    assert tierlm.load(tiny_checkpoints["llama"], quantize="auto", group_size=32).plan.quantization is None

@@ -287,7 +287,9 @@ def test_fused_quantized_projections_give_each_projections_output(tiny, family, 
     of their rows). Every output row must be its projection's own: the same kernel reduces each row alone,
     so the fused product equals the parts' within one bf16 rounding (a wrong row or scale would be off by
     the weights' whole magnitude)."""
-    model = tierlm.load(tiny[family], dtype="bfloat16", quantize=mode, group_size=32)
+    model = tierlm.load(
+        tiny[family], dtype="bfloat16", quantize=mode, group_size=32 if mode == "int4" else None
+    )
     mlp, attn = model.decoder.model.layers[0].mlp, model.decoder.model.layers[0].self_attn
     assert mlp.fused is not None and type(mlp.fused.packed).__name__ == f"Int{mode[3]}Linear"
     assert (attn.fused is not None) == (mode == "int8")  # int4: k/v have 32 rows, no multiple of 64

@@ -177,7 +177,8 @@ def load(
     projection and the LM head (int4 keeps the head int8); None: float weights; "auto" (the default):
     when `dtype` is "auto" and the forward runs on the CPU, "int4" for a GGUF whose projections are
     Q4_0/Q4_1 blocks and "int8" for one whose projections are other quantized blocks (K-quants, Q5_0,
-    Q8_0 ...), each where this CPU decodes them faster (`tierlm.cpu`), else None.
+    Q8_0 ...), each where this CPU decodes them faster (`tierlm.cpu`), else None. group_size is int4's:
+    an error with "int8" or None.
 
     The load is a LoadPlan (tierlm.plan, from the checkpoint's header) whose steps then run in order
     (tierlm.loading); the model keeps it as `.plan`.

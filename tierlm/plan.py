@@ -168,6 +168,13 @@ def _quantization(
         isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
     ):
         raise ValueError(f"group_size must be a positive int (or None: the default), got {group_size!r}")
+    if group_size is not None and quantize in (None, "int8"):
+        what = (
+            "int8 weights are quantized per output channel"
+            if quantize
+            else "quantize=None keeps float weights"
+        )
+        raise ValueError(f"group_size is int4's (quantize='int4' or 'auto'); {what}")
     if quantize == "auto":
         quantize = None
         if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
