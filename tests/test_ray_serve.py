@@ -247,6 +247,7 @@ def test_the_front_holds_its_port_from_the_start_and_a_port_in_use_is_refused():
     front = ray_app.Front("127.0.0.1", 0)  # made before deploying: nobody else may take the port meanwhile
     try:
         port = front.socket.getsockname()[1]
+        assert front.url == f"http://127.0.0.1:{port}" and port != 0  # the log names the port clients use
         with socket.socket() as other:
             other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             with pytest.raises(OSError):

@@ -178,7 +178,8 @@ class Front:
         except OSError as err:
             self.socket.close()
             raise RuntimeError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        bound = self.socket.getsockname()[1]  # port 0: the one the kernel picked
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
         self.router: TierlmRouter | None = None
         self.server = self.thread = None
 
