@@ -134,6 +134,26 @@ def test_chunked_prefill_across_the_window(models):
         assert model.generate(rows, max_new_tokens=8, do_sample=False, prefill_chunk=chunk).token_ids == whole
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_n_samples_of_a_prompt_longer_than_the_window(models, cache):
+    """n > 1 shares one prefill per prompt on a static cache, copied slot by slot, which a sliding layer's
+    ring cannot take (an AttributeError before): every row is prefilled there. Greedy samples equal the
+    prompt's solo tokens; seeded samples equal those of the other cache."""
+    model = models["untied"]
+    rows = [r[m.bool()].tolist() for r, m in zip(*_prompts([13, 3], seed=4))]
+    new = 2 * model.config.sliding_window
+    solo = model.generate(rows, max_new_tokens=new, cache_implementation=cache).token_ids
+    greedy = model.generate(rows, max_new_tokens=new, n=2, cache_implementation=cache).token_ids
+    assert greedy == [solo[0], solo[0], solo[1], solo[1]]
+    sampled = {
+        kind: model.generate(
+            rows, max_new_tokens=new, n=3, do_sample=True, seed=7, cache_implementation=kind
+        ).token_ids
+        for kind in ("static", "dynamic")
+    }
+    assert sampled["static"] == sampled["dynamic"]
+
+
 def test_sliding_cache_holds_only_the_window(models):
     """Sliding layers get a ring of `window` slots, full layers the whole length; shapes never change, and
     decoding 3x the window past a longer prompt gives the tokens of the non-sliding (dynamic) cache."""

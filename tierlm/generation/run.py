@@ -207,10 +207,12 @@ class Generation:
 
         Each chunk attends to the cached keys of the chunks before it: the same attention as one forward of
         the whole prompt, in smaller matmuls (and a [chunk, length] score matrix, not [width, width]).
-        With n > 1 and a static cache, one row per prompt is prefilled and copied to its n - 1 siblings.
+        With n > 1 and a static cache, one row per prompt is prefilled and copied to its n - 1 siblings
+        (every row is prefilled where the model has sliding-window layers).
         """
         ids, mask = self.batch.ids, self.batch.mask
-        share = self.n > 1 and isinstance(self.cache, StaticCache)
+        # n > 1 shares one prefill per prompt, copied slot for slot: not into a sliding layer's ring buffer
+        share = self.n > 1 and isinstance(self.cache, StaticCache) and not any(self.model.decoder.sliding)
         cache = RowsView(self.cache, slice(None, None, self.n)) if share else self.cache
         if share:
             ids, mask = ids[:: self.n], mask[:: self.n]
