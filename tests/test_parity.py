@@ -85,3 +85,66 @@ def test_gguf_cache_gives_identical_weights(default_model_path):
     second = tierlm.load(default_model_path, dtype="float32")
     for (name, a), (_, b) in zip(first.decoder.named_parameters(), second.decoder.named_parameters()):
         assert torch.equal(a, b), name
+
+
+WINDOWED = {  # sliding-window attention outside Gemma 3, as transformers' configs spell it
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},  # layer 1 slides
+    "qwen3": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("windowed")
+    return {fam: write_tiny_checkpoint(root / fam, fam, over) for fam, over in WINDOWED.items()}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_window_of_mistral_and_qwen_matches_transformers(windowed, family):
+    """Their window was dropped when config.json was read: every position past it was wrong (logits off by
+    up to 10 on these models, the first greedy token different). Left-padded prompts around the window,
+    chunked prefill, both caches, decoding 3x the window past it, n = 2: transformers' tokens."""
+    path = windowed[family]
+    model, hf = tierlm.load(path, dtype="float32"), hf_model(path)
+    slides = [model.config.is_sliding(i) for i in range(model.config.num_layers)]
+    assert model.config.sliding_window == 6 and slides == (
+        [False, True] if family == "qwen2" else [True, True]
+    )
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 320, (2, 15), generator=gen)
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask).logits
+        expected = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=18, min_new_tokens=18, do_sample=False
+        )
+    real = mask.bool()
+    torch.testing.assert_close(model(ids, attention_mask=mask)[real], ref[real], atol=1e-4, rtol=1e-4)
+    rows = [r[m].tolist() for r, m in zip(ids, real)]
+    want = expected[:, 15:].tolist()
+    for settings in ({}, {"cache_implementation": "dynamic"}, {"prefill_chunk": 4}):
+        got = model.generate(rows, max_new_tokens=18, min_new_tokens=18, **settings).token_ids
+        assert got == want, settings
+    paired = model.generate(rows, max_new_tokens=18, min_new_tokens=18, n=2).token_ids
+    assert paired == [want[0], want[0], want[1], want[1]]
+
+
+def test_window_keys_as_transformers_defaults_them(tmp_path):
+    """MistralConfig's window is 4096 when config.json has no key and none when it is null; Qwen's applies
+    only with use_sliding_window; Llama has none."""
+    import json
+
+    from tierlm.config import ModelConfig
+
+    raw = json.loads((write_tiny_checkpoint(tmp_path / "m", "mistral") / "config.json").read_text())
+    raw.pop("sliding_window")
+    assert ModelConfig.from_hf_dict(raw).sliding_window == 4096
+    assert ModelConfig.from_hf_dict({**raw, "sliding_window": None}).layer_types == ()
+    qwen = json.loads((write_tiny_checkpoint(tmp_path / "q", "qwen2") / "config.json").read_text())
+    assert (
+        ModelConfig.from_hf_dict({**qwen, "sliding_window": 6, "use_sliding_window": False}).layer_types == ()
+    )
+    with pytest.raises(ValueError, match='"sliding_window" must be a positive integer'):
+        ModelConfig.from_hf_dict({**raw, "sliding_window": 0})

@@ -95,7 +95,7 @@ class ModelConfig:
         return family_for(self.architecture)
 
     def is_sliding(self, layer: int) -> bool:
-        """Whether `layer` attends over a sliding window (Gemma 3's local layers)."""
+        """Whether `layer` attends over a sliding window (Gemma 3's local layers, Mistral's and Qwen's window)."""
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     @property
@@ -144,6 +144,7 @@ class ModelConfig:
             theta, scaling, kinds = _layer_kinds(raw, num_layers)
         else:
             theta, scaling = _rope(raw)
+            kinds = _window_kinds(raw, family_for(arch).name, num_layers)
         return cls(
             architecture=arch,
             vocab_size=positive_int(raw, "vocab_size"),
@@ -289,6 +290,40 @@ def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScali
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
     return theta, scaling, kinds
+
+
+MISTRAL_WINDOW = QWEN_WINDOW = 4096  # transformers' MistralConfig / Qwen2Config default sliding_window
+QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default: layers from this index on slide
+
+
+def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """Sliding-window attention of Mistral, Qwen2 and Qwen3, as transformers reads their config.json:
+    Mistral's window (4096 when the key is absent, none when null) covers every layer; Qwen's applies with
+    `use_sliding_window` to the layers `layer_types` names sliding (when absent: those from index
+    `max_window_layers` on). Sliding layers share the model's one rotary table. {} for full attention."""
+    if family == "mistral":
+        window = raw.get("sliding_window", MISTRAL_WINDOW)
+    elif family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        window = raw.get("sliding_window", QWEN_WINDOW)
+    else:
+        return {}  # Llama has no window; Qwen without use_sliding_window attends over everything
+    if window is None:
+        return {}
+    window = positive_int({"sliding_window": window}, "sliding_window")
+    if family == "mistral":
+        types: Any = [SLIDING] * num_layers
+    else:
+        types = raw.get("layer_types")
+        if types is None:
+            first = raw.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+            if not _is_int(first) or first < 0:
+                raise ValueError(f'field "max_window_layers" must be an integer >= 0, got {_shown(first)}')
+            types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
+    if SLIDING not in types:
+        return {}
+    return {"layer_types": tuple(types), "sliding_window": window}
 
 
 def _optional_positive(raw: dict[str, Any], key: str) -> float | None:

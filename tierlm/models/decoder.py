@@ -145,9 +145,11 @@ class Decoder(nn.Module):
         cfg = self.config
         cos, sin = rope_tables(cfg, size, device)  # computed in fp32, stored in the model dtype
         tables = {"rope_cos": cos.to(dtype), "rope_sin": sin.to(dtype)}
-        if any(self.sliding):
+        if any(self.sliding) and cfg.family.layer_kinds:  # Gemma 3: sliding layers have their own base
             cos, sin = rope_tables(cfg, size, device, cfg.rope_local_theta, RopeScaling())
             tables.update(local_cos=cos.to(dtype), local_sin=sin.to(dtype))
+        elif any(self.sliding):  # Mistral, Qwen: one rotary table for every layer
+            tables.update(local_cos=tables["rope_cos"], local_sin=tables["rope_sin"])
         for name, table in tables.items():  # all or none (an allocation may fail for a huge length)
             setattr(self, name, table)
 
