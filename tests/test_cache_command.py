@@ -137,3 +137,32 @@ def test_a_cache_folder_that_is_a_file_is_an_error_for_clear(tmp_path):
         f"tierlm: error: the cache folder {path} is a file, not a folder (TIERLM_CACHE_DIR?)"
     ]
     assert path.read_text() == "keep me"
+
+
+def test_cache_clear_leaves_a_users_files_and_links_under_tierlms_folder_names(tmp_path):
+    """A cache folder set where models live (TIERLM_CACHE_DIR=~/models, with a gguf/ of the user's): only
+    entries named as tierlm names them go; a symlink is never followed (clear emptied its target before)."""
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.gguf").write_bytes(bytes(64))
+    (root / "gguf" / "project").mkdir(parents=True)
+    (root / "gguf" / "my-llama.Q4_K_M.gguf").write_bytes(bytes(32))
+    (root / "gguf" / "project" / "weights.bin").write_bytes(bytes(16))
+    (root / "gguf" / "linked").symlink_to(outside)
+    (root / "offload").mkdir()
+    (root / "offload" / "0123456789abcdef0123").symlink_to(outside)  # a key's name, but a link
+    ours = root / "gguf" / "0123456789abcdef0123"
+    ours.mkdir()
+    (ours / "config.json").write_text("{}")
+    listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
+    assert sum("not tierlm's: cache clear leaves it" in line for line in listing) == 4
+    proc = tierlm_cli("cache", "clear", cache=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == f"tierlm: removing {ours} ({format_bytes(2)})"
+    assert not ours.exists() and (outside / "keep.gguf").stat().st_size == 64
+    assert (root / "gguf" / "my-llama.Q4_K_M.gguf").exists() and (
+        root / "gguf" / "project" / "weights.bin"
+    ).exists()
+    assert (root / "gguf" / "linked").is_symlink() and (
+        root / "offload" / "0123456789abcdef0123"
+    ).is_symlink()

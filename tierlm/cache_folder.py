@@ -5,8 +5,9 @@ offloaded weights converted to the compute dtype or packed int8/int4, or streame
 built ahead of time, tierlm.aot), inductor/ (compiled kernels), kernels/ (tierlm's own C++ kernels, built
 once per machine: tierlm.kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
-writer's are never removed, a dead writer's are leftovers. Anything else beside them is not tierlm's: listed,
-never removed.
+writer's are never removed, a dead writer's are leftovers. Anything else beside them, or under gguf/,
+offload/ and aot/ by a name tierlm does not give (weights/entry_names.py), and any symlink there, is not
+tierlm's: listed, never removed, never followed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierlm.placement.device_map import format_bytes
-from tierlm.weights.temporaries import is_stale, remove, writer_of
+from tierlm.weights.entry_names import is_key, offload_entry
+from tierlm.weights.temporaries import final_name, is_stale, remove, writer_of
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,9 @@ def cache_entries(root: Path) -> list[CacheEntry]:
         if path.name in ("gguf", "offload", "aot") and path.is_dir() and not path.is_symlink():
             for child in _children(path):
                 entries.extend(_entries_of(child, path.name))
-        elif path.name == "inductor" and path.is_dir():
+        elif path.name == "inductor" and path.is_dir() and not path.is_symlink():
             entries.append(CacheEntry(path, "inductor", tree_size(path), "compiled kernels (torch inductor)"))
-        elif path.name == "kernels" and path.is_dir():
+        elif path.name == "kernels" and path.is_dir() and not path.is_symlink():
             entries.append(
                 CacheEntry(path, "kernels", tree_size(path), "tierlm's CPU kernels (int4/int8), built")
             )
@@ -66,7 +68,12 @@ FOREIGN = "not tierlm's: cache clear leaves it"
 
 
 def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
-    """The entry for `path`, and for a GGUF cache folder the temporaries inside it as entries of their own."""
+    """The entry for `path`, and for a GGUF cache folder the temporaries inside it as entries of their own.
+    Only names tierlm writes there are its entries (a key, or for offload a key with a suffix); anything else,
+    and any symlink (whose target clear would empty), is foreign."""
+    final = final_name(path) if writer_of(path) is not None else path.name
+    if path.is_symlink() or final is None or not _owned(final, kind):
+        return [CacheEntry(path, "foreign", tree_size(path), FOREIGN)]
     if writer_of(path) is not None:
         return [_temporary(path)]
     if kind == "gguf" and path.is_dir():
@@ -81,6 +88,13 @@ def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
     if kind == "aot" and path.is_dir():
         return [CacheEntry(path, kind, tree_size(path), _describe_aot(path))]
     return [CacheEntry(path, kind, tree_size(path), "not written by this tierlm version")]
+
+
+def _owned(name: str, kind: str) -> bool:
+    """Whether `name` is one tierlm writes under gguf/, offload/ or aot/ (an identity_key, 20 hex digits)."""
+    if kind == "offload":
+        return offload_entry(name)
+    return is_key(name)
 
 
 def _temporary(path: Path) -> CacheEntry:

@@ -20,13 +20,13 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
+from tierlm.weights.entry_names import offload_entry
 from tierlm.weights.files import (
     commit_folder,
     file_identity,
     folder_matches,
     fresh_tmp_folder,
     identity_key,
-    offload_entry,
 )
 from tierlm.weights.safetensors import SafetensorsCheckpoint, mmap_tensors
 from tierlm.weights.temporaries import remove_stale_temporaries

@@ -11,12 +11,12 @@ import hashlib
 import json
 import mmap
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from tierlm.weights.entry_names import offload_entry
 from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
 _MADV_WILLNEED = 3
@@ -87,13 +87,6 @@ def folder_matches(folder: Path, want: dict) -> bool:
     """Whether a folder written by commit_folder holds what `want` describes."""
     manifest = folder / "manifest.json"
     return manifest.is_file() and json.loads(manifest.read_text()) == want
-
-
-def offload_entry(name: str) -> bool:
-    """Whether `name` is one tierlm writes in an offload folder: <key>[-<what>] with key an identity_key
-    (or "resident" for packed weights of a resident checkpoint). The folder is the user's to choose, so
-    only temporaries of such names are ever swept from it."""
-    return re.match(r"(?:[0-9a-f]{20}|resident)(?:-|$)", name) is not None
 
 
 def fresh_tmp_folder(folder: Path) -> Path:

@@ -1,0 +1,18 @@
+"""The names tierlm gives what it writes in its cache and offload folders, so that a sweep or a clear
+touches those and never a file of the user's beside them. No torch here (`tierlm cache` imports it)."""
+
+from __future__ import annotations
+
+import re
+
+
+def is_key(name: str) -> bool:
+    """An identity_key (weights/files.py): 20 hex digits, a gguf/, offload/ or aot/ entry's name."""
+    return re.fullmatch(r"[0-9a-f]{20}", name) is not None
+
+
+def offload_entry(name: str) -> bool:
+    """What tierlm writes in an offload folder: <key>[-<what>], or resident-<what> for the packed weights of
+    a resident checkpoint. The folder is the user's to choose, so only temporaries of such names are ever
+    swept from it."""
+    return re.match(r"(?:[0-9a-f]{20}|resident)(?:-|$)", name) is not None
