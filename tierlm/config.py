@@ -25,18 +25,27 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling: "default" (none), "linear" or "llama3"."""
+    """Rotary scaling: "default" (none), "linear" or "llama3"; or "freq_factors", a GGUF's `rope_freqs`
+    tensor (llama.cpp's converter writes llama3 scaling so): each inverse frequency divided by its factor."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
+        if self.rope_type not in (*ROPE_TYPES, "freq_factors"):
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # JSON: a list
+        if (self.rope_type == "freq_factors") != bool(self.freq_factors) or not all(
+            0 < f < float("inf") for f in self.freq_factors
+        ):
+            raise ValueError(
+                "rope frequency factors must be positive and finite, given with type freq_factors"
             )
 
 
@@ -178,8 +187,11 @@ class ModelConfig:
         return cls.from_hf_dict(raw, source)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], n_vocab_tensor: int | None = None) -> ModelConfig:
-        """Build from GGUF key/values (`general.architecture` = llama, mistral, qwen2, qwen3, gemma3)."""
+    def from_gguf_metadata(
+        cls, meta: dict[str, Any], n_vocab_tensor: int | None = None, rope_freqs: list[float] | None = None
+    ) -> ModelConfig:
+        """Build from GGUF key/values (`general.architecture` = llama, mistral, qwen2, qwen3, gemma3) and the
+        file's `rope_freqs` tensor, if it has one (one factor per rotary frequency, head_dim / 2)."""
         arch_name = meta.get("general.architecture")
         if arch_name not in MODEL_TYPES:
             supported = ", ".join(MODEL_TYPES)
@@ -197,6 +209,16 @@ class ModelConfig:
         if keys.get("rope.scaling.type") == "linear":
             scaling = RopeScaling("linear", factor=positive_float(keys, "rope.scaling.factor", 1.0, prefix))
         head_dim = count("attention.key_length", count("rope.dimension_count", hidden // num_heads))
+        if rope_freqs is not None:
+            if len(rope_freqs) != head_dim // 2:
+                raise ValueError(
+                    f"rope_freqs has {len(rope_freqs)} factors, head_dim {head_dim} needs {head_dim // 2}"
+                )
+            if scaling.rope_type != "default":
+                raise ValueError(
+                    f"rope_freqs beside rope scaling {scaling.rope_type!r}: which applies is unclear"
+                )
+            scaling = RopeScaling("freq_factors", freq_factors=tuple(rope_freqs))
         kinds = (
             _gguf_layer_kinds(keys, prefix, head_dim)
             if family_for(MODEL_TYPES[arch_name]).layer_kinds

@@ -63,12 +63,14 @@ def _kernel_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse rotary frequencies, with linear or llama3 scaling applied."""
+    """Inverse rotary frequencies, with linear, llama3 or a GGUF's per-frequency scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling)
+    if scaling.rope_type == "freq_factors":  # a GGUF's rope_freqs, divided as llama.cpp divides them
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return inv_freq
 
 

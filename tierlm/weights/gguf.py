@@ -48,8 +48,12 @@ class GGUFCheckpoint:
         meta = {**self.metadata, "tierlm.tied_embeddings": tied}
         embed = self.tensors.get("model.embed_tokens.weight")
         n_vocab = int(embed.shape[-1]) if embed is not None else None
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         try:
-            self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab)
+            if freqs is not None and freqs.tensor_type != Q.F32:
+                raise ValueError(f"rope_freqs.weight is {freqs.tensor_type.name}, not F32")
+            rope_freqs = None if freqs is None else [float(f) for f in np.asarray(freqs.data).ravel()]
+            self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab, rope_freqs=rope_freqs)
         except ValueError as e:
             raise ValueError(f"GGUF metadata of {self.path}: {e}") from None
         for t in self.tensors.values():

@@ -18,6 +18,10 @@ from tierlm.weights.files import atomic_write, file_identity, identity_key
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
 
+# The cached config's format: 2 since a GGUF's rope_freqs tensor is read (format 1 dropped it, so a cached
+# Llama 3.x config lacks its rotary scaling and must be rebuilt).
+CONFIG_FORMAT = 2
+
 
 def cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / identity_key([file_identity(gguf_path)])
@@ -36,6 +40,8 @@ def open_cached(gguf_path: Path, dtype: torch.dtype) -> SafetensorsCheckpoint | 
         return None
     try:
         raw = json.loads(meta.read_text())
+        if raw.pop("tierlm_config_format", 1) != CONFIG_FORMAT:
+            return None  # written by an older tierlm: rebuilt
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
         raw["layer_types"] = tuple(raw.get("layer_types", ()))
@@ -73,7 +79,8 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
     types = {n: gguf.tensors[n].tensor_type.name for n in names}
     source = {"gguf": str(gguf_path.resolve()), "tensor_types": types}
     atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps(source)))
-    atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(dataclasses.asdict(gguf.config))))
+    config = {**dataclasses.asdict(gguf.config), "tierlm_config_format": CONFIG_FORMAT}
+    atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(config)))
     return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
 

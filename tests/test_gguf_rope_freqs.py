@@ -1,0 +1,138 @@
+"""A GGUF's `rope_freqs` tensor: llama.cpp's converter writes a Llama 3.x model's rotary scaling as one
+factor per frequency, and no scaling key. It was dropped (silently wrong tokens from such a file); it now
+divides the inverse frequencies as llama.cpp does, so the GGUF gives transformers' logits for the folder."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from safetensors.torch import load_file
+
+import tierlm
+from tierlm.weights import gguf_cache
+
+LLAMA_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (its converter permutes HF's rotate-half halves into pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_factors(cfg: dict, head_dim: int) -> np.ndarray:
+    """One factor per rotary frequency, from config.json's llama3 scaling: 1 for short wavelengths, the
+    factor for long ones, a smooth blend between (what llama.cpp's converter computes)."""
+    rope = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    theta = rope.get("rope_theta", cfg.get("rope_theta"))
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < old / high:
+            out.append(1.0)
+        elif wavelength > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def to_gguf(folder, path, rope_freqs: bool = True):
+    cfg = json.loads((folder / "config.json").read_text())
+    heads, kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim = hidden // heads
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(head_dim)
+    vocab = cfg["vocab_size"]
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("llama")  # a stand-in vocabulary: these tests feed token ids
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, w in load_file(folder / "model.safetensors").items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            parts = name.split(".")
+            module = ".".join(parts[3:-1])
+            gguf_name = f"blk.{parts[2]}.{LLAMA_NAMES[module]}.{parts[-1]}"
+            if module == "self_attn.q_proj":
+                w = interleave(w, heads)
+            elif module == "self_attn.k_proj":
+                w = interleave(w, kv)
+        writer.add_tensor(gguf_name, w.float().numpy())
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", llama3_factors(cfg, head_dim))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama3(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama (llama3 rotary scaling, factor 8) as an HF folder and as a GGUF with rope_freqs."""
+    folder = tiny_checkpoints["llama"]
+    assert json.loads((folder / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    return folder, to_gguf(folder, tmp_path_factory.mktemp("gguf") / "llama3.gguf")
+
+
+def test_a_gguf_with_rope_freqs_gives_transformers_logits_for_its_folder(llama3, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf = llama3
+    ids = torch.randint(3, 320, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
+    model = tierlm.load(gguf, dtype="float32")
+    assert model.config.rope_scaling.rope_type == "freq_factors"
+    torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-4)
+    without = tierlm.load(to_gguf(folder, tmp_path / "plain.gguf", rope_freqs=False), dtype="float32")
+    assert (without(ids) - expected).abs().max() > 1e-2  # the factors matter on this model: the test can fail
+    again = tierlm.load(gguf, dtype="float32")  # from the GGUF cache, whose config keeps the factors
+    assert again.config.rope_scaling == model.config.rope_scaling
+
+
+def test_a_gguf_cache_written_before_rope_freqs_were_read_is_rebuilt(llama3):
+    _, gguf = llama3
+    gguf_cache.ensure(gguf, torch.float32)
+    meta = gguf_cache.cache_dir(gguf) / "config.json"
+    old = json.loads(meta.read_text())
+    old.pop("tierlm_config_format")
+    old["rope_scaling"] = {**old["rope_scaling"], "rope_type": "default", "freq_factors": []}
+    meta.write_text(json.dumps(old))  # as format 1 wrote it: no factors
+    assert gguf_cache.open_cached(gguf, torch.float32) is None
+    assert gguf_cache.ensure(gguf, torch.float32).config.rope_scaling.rope_type == "freq_factors"
