@@ -332,3 +332,26 @@ def test_a_group_size_where_nothing_is_grouped_is_named(tiny_checkpoints, quanti
         tierlm.load(tiny_checkpoints["llama"], quantize=quantize, group_size=32)
     assert one_line(err) == f"group_size is int4's (quantize='int4' or 'auto'); {says}"
     assert tierlm.load(tiny_checkpoints["llama"], quantize="auto", group_size=32).plan.quantization is None
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    [None, {"": "cpu", "model.layers.0": "disk"}, {"": "disk"}],
+    ids=["resident", "layer-on-disk", "all-on-disk"],
+)
+def test_a_tensor_of_the_wrong_shape_is_named_wherever_it_is_placed(tiny_checkpoints, tmp_path, device_map):
+    """Shapes are checked from the header, for every tensor: one on disk is never loaded at load time, and
+    a wrong one there failed inside torch at the first forward (or, for the embedding, gave token 0 on and
+    on); `plan` says it too, before anything is read."""
+    folder = copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:100].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    says = "tensor model.layers.0.mlp.up_proj.weight has shape (100, 64), the config implies (128, 64)"
+    kwargs = {"device_map": device_map, "offload_folder": tmp_path / "off"} if device_map else {}
+    with pytest.raises(ValueError) as err:
+        tierlm.load(folder, dtype="float32", **kwargs)
+    assert one_line(err) == says
+    with pytest.raises(ValueError) as err:
+        tierlm.plan.plan(folder, dtype="float32", **kwargs)
+    assert one_line(err) == says

@@ -24,7 +24,13 @@ from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_tab
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
 from tierlm.weights.layout import transposes_wide_weights, wide_weight_names
-from tierlm.weights.load import default_gguf_dtype, default_model_path, open_checkpoint, resolve_dtype
+from tierlm.weights.load import (
+    check_tensors,
+    default_gguf_dtype,
+    default_model_path,
+    open_checkpoint,
+    resolve_dtype,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)$")
 
@@ -93,7 +99,8 @@ def plan(
     dev = _device(device)
     if execution_device is not None:
         execution_device = str(_device(execution_device, "execution_device"))
-    cfg, target = _header(path, dtype, dev)
+    checkpoint, target = _header(path, dtype, dev)
+    cfg = checkpoint.config
     quant = _quantization(quantize, group_size, dtype, path, dev, device_map, max_memory, execution_device)
     names, sizes, tied = parameter_table(cfg, target, quant)
     kv = kv_bytes_per_token(cfg, target)
@@ -101,6 +108,7 @@ def plan(
     module_bytes = {m: sum(b for n, b in sizes.items() if under(n, m)) for m in placement.module_map}
     with torch.device("meta"):
         probe = Decoder(cfg)  # module shapes, no storage
+    check_tensors(checkpoint, probe)  # as load() checks them, before anything is read
     transposed = frozenset()
     if transposes_wide_weights(target, placement.device, quant.mode if quant else None):
         transposed = frozenset(wide_weight_names(probe, tied))
@@ -203,14 +211,14 @@ def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device)
         return False
 
 
-def _header(path: Path, dtype, device: torch.device) -> tuple[ModelConfig, torch.dtype]:
-    """The config and the compute dtype, from the checkpoint's header (a GGUF's cached copy, if any)."""
+def _header(path: Path, dtype, device: torch.device):
+    """The checkpoint (its header read, no tensor) and the compute dtype (a GGUF's cached copy, if any)."""
     if path.is_file() and path.suffix == ".gguf":
         target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
         checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
-        return checkpoint.config, target
+        return checkpoint, target
     checkpoint = open_checkpoint(path)
-    return checkpoint.config, resolve_dtype(dtype, checkpoint, device)
+    return checkpoint, resolve_dtype(dtype, checkpoint, device)
 
 
 def _fusion(

@@ -107,6 +107,19 @@ def check_names(checkpoint: Checkpoint, wanted: list[str]) -> None:
         raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:8])}")
 
 
+def check_tensors(checkpoint: Checkpoint, model: nn.Module) -> list[str]:
+    """The names `model` (on the meta device) needs; each present, none unexpected, and each the shape the
+    config implies, from the checkpoint's header alone (a tensor left on disk is never loaded here, and a
+    wrong shape there failed inside torch at the first forward, or gave wrong tokens)."""
+    wanted = expected_names(model)
+    check_names(checkpoint, wanted)
+    for name in wanted:
+        expected, stored = tuple(model.get_parameter(name).shape), tuple(checkpoint.shape(name))
+        if stored != expected:
+            raise ValueError(f"tensor {name} has shape {stored}, the config implies {expected}")
+    return wanted
+
+
 def set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -129,8 +142,7 @@ def build_decoder(
     with torch.device("meta"):
         model = Decoder(checkpoint.config)
     model.compute_dtype = dtype
-    wanted = expected_names(model)
-    check_names(checkpoint, wanted)
+    wanted = check_tensors(checkpoint, model)
     for i, name in enumerate(wanted):
         device = devices if isinstance(devices, torch.device) else devices[name]
         if device == "disk":
