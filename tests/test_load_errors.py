@@ -355,3 +355,20 @@ def test_a_tensor_of_the_wrong_shape_is_named_wherever_it_is_placed(tiny_checkpo
     with pytest.raises(ValueError) as err:
         tierlm.plan.plan(folder, dtype="float32", **kwargs)
     assert one_line(err) == says
+
+
+@pytest.mark.parametrize("key", ["weight", "bias"])
+def test_a_map_that_splits_a_modules_weight_from_its_bias_is_named(tiny_checkpoints, key):
+    """Parameter names are valid keys, but the offload units are modules: a split q_proj was an
+    AttributeError from torch's get_submodule at load, while plan() showed the map as fine."""
+    device_map = {"": "cpu", f"model.layers.0.self_attn.q_proj.{key}": "disk"}
+    says = (
+        "device_map puts the parameters of model.layers.0.self_attn.q_proj on cpu, disk; a module's weight and "
+        "bias go to one device: map 'model.layers.0.self_attn.q_proj' itself"
+    )
+    for call in (tierlm.load, tierlm.plan.plan):
+        with pytest.raises(ValueError) as err:
+            call(tiny_checkpoints["qwen2"], dtype="float32", device_map=device_map)
+        assert one_line(err) == says
+    whole = {"": "cpu", "model.layers.0.self_attn.q_proj": "disk"}
+    assert tierlm.plan.plan(tiny_checkpoints["qwen2"], device_map=whole).placement.offloaded["disk"]

@@ -108,6 +108,15 @@ def expand_device_map(device_map: Mapping[str, Any], param_names: Sequence[str])
             f"device_map gives no device for {format_modules(missing)}; "
             "add keys for them, or a '' key for the whole model."
         )
+    owners: dict[str, set[str]] = {}
+    for name, device in resolved.items():
+        owners.setdefault(name.rpartition(".")[0], set()).add(device)  # type: ignore[arg-type]
+    split = next(((m, d) for m, d in owners.items() if len(d) > 1), None)
+    if split is not None:
+        raise ValueError(
+            f"device_map puts the parameters of {split[0]} on {', '.join(sorted(split[1]))}; a module's weight "
+            f"and bias go to one device: map {split[0]!r} itself"
+        )
     return resolved  # type: ignore[return-value]
 
 
