@@ -13,9 +13,24 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as Q
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a GGUF file: named *.gguf (any case) or starting with GGUF's magic (a .bin)."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def open_gguf(path: Path) -> GGUFReader:
     """The file's reader; a missing file is FileNotFoundError, a damaged one one ValueError naming the metadata
     key or tensor that could not be read."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     reader = _LocatingReader.__new__(_LocatingReader)  # built in two steps: a failed one is still there

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tierlm import cpu
+from tierlm.gguf_read import is_gguf
 from tierlm.models import layers
 from tierlm.models.decoder import Decoder
 from tierlm.module_names import under
@@ -67,7 +68,7 @@ def check_device(placement: Placement) -> None:
 def open_step(plan: LoadPlan, loading: Loading) -> None:
     """The checkpoint reader and the tokenizer. GGUF weights are dequantized once into a disk cache."""
     path = plan.path
-    if not (path.is_file() and path.suffix == ".gguf"):
+    if not is_gguf(path):
         loading.checkpoint = open_checkpoint(path)
         loading.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return

@@ -15,6 +15,7 @@ from tierlm import cpu
 from tierlm.compile import CompileConfig, CompileDecision, decide
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
+from tierlm.gguf_read import is_gguf
 from tierlm.models.decoder import Decoder
 from tierlm.models.layers import FUSED_PROJECTIONS
 from tierlm.module_names import under
@@ -213,7 +214,7 @@ def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device)
 
 def _header(path: Path, dtype, device: torch.device):
     """The checkpoint (its header read, no tensor) and the compute dtype (a GGUF's cached copy, if any)."""
-    if path.is_file() and path.suffix == ".gguf":
+    if is_gguf(path):
         target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
         checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
         return checkpoint, target

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tierlm.config import ModelConfig, RopeScaling, cache_root
+from tierlm.gguf_read import is_gguf
 from tierlm.weights import safetensors_write
 from tierlm.weights.files import atomic_write, file_identity, identity_key
 from tierlm.weights.safetensors import SafetensorsCheckpoint
@@ -111,7 +112,7 @@ def projection_types(path: Path) -> list[str]:
     """The GGUF type (e.g. "Q4_1", "Q6_K", "F16") of each projection weight of `path`; [] if it is no GGUF."""
     from tierlm.weights.gguf import GGUFCheckpoint
 
-    if path.suffix != ".gguf":
+    if not is_gguf(path):
         return []
     recorded = source_tensor_types(path)  # when the dequantized cache exists
     if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tierlm.gguf_read import is_gguf
 from tierlm.models.decoder import Decoder
 from tierlm.weights.gguf import GGUFCheckpoint
 from tierlm.weights.safetensors import SafetensorsCheckpoint
@@ -44,16 +45,11 @@ def default_model_path() -> Path:
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """A lazy reader for an HF folder or a .gguf file."""
     path = Path(path)
-    if path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF"):
-        return GGUFCheckpoint(path)
+    if is_gguf(path) or (path.suffix.lower() == ".gguf" and not path.is_dir()):
+        return GGUFCheckpoint(path)  # (a missing *.gguf: its error says so)
     if path.is_file():
         raise ValueError(f"{path} is neither a GGUF file nor a model folder")
     return SafetensorsCheckpoint(path)
-
-
-def _magic(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(4)
 
 
 def default_gguf_dtype(device: torch.device) -> torch.dtype:

@@ -1,6 +1,6 @@
-"""A GGUF's `rope_freqs` tensor: llama.cpp's converter writes a Llama 3.x model's rotary scaling as one
-factor per frequency, and no scaling key. It was dropped (silently wrong tokens from such a file); it now
-divides the inverse frequencies as llama.cpp does, so the GGUF gives transformers' logits for the folder."""
+"""Llama GGUFs as llama.cpp's converter writes them, from a tiny HF folder: a Llama 3.x model's rotary
+scaling as a `rope_freqs` tensor (one factor per frequency, no scaling key; it was dropped, so such a file
+gave silently wrong tokens), and GGUF files named otherwise than *.gguf."""
 
 from __future__ import annotations
 
@@ -136,3 +136,30 @@ def test_a_gguf_cache_written_before_rope_freqs_were_read_is_rebuilt(llama3):
     meta.write_text(json.dumps(old))  # as format 1 wrote it: no factors
     assert gguf_cache.open_cached(gguf, torch.float32) is None
     assert gguf_cache.ensure(gguf, torch.float32).config.rope_scaling.rope_type == "freq_factors"
+
+
+@pytest.mark.parametrize("name", ["LLAMA3.GGUF", "llama3.bin"])
+def test_a_gguf_named_otherwise_loads_as_a_gguf(llama3, tmp_path, name):
+    """Recognised by its magic, it was read as GGUF weights but not as a GGUF model: no tokenizer, float32
+    instead of the GGUF default, no disk offload ("cache not writable?")."""
+    _, gguf = llama3
+    other = tmp_path / name
+    other.write_bytes(gguf.read_bytes())
+    model = tierlm.load(
+        other, device_map={"": "cpu", "model.layers.1": "disk"}, offload_folder=tmp_path / "off"
+    )
+    reference = tierlm.load(
+        gguf, device_map={"": "cpu", "model.layers.1": "disk"}, offload_folder=tmp_path / "o"
+    )
+    assert model.tokenizer is not None and model.dtype == reference.dtype == torch.bfloat16
+    assert (
+        model.generate([[1, 5, 9]], max_new_tokens=6).token_ids
+        == reference.generate([[1, 5, 9]], max_new_tokens=6).token_ids
+    )
+
+
+def test_a_folder_named_like_a_gguf_is_not_called_missing(tmp_path):
+    folder = tmp_path / "model.gguf"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        tierlm.load(folder)
