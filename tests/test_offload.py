@@ -231,6 +231,22 @@ def test_disk_offload_reads_checkpoint_files_when_dtype_and_layout_match(tiny_ch
     assert manifest["transposed"] == [] and "model.layers.1.mlp.down_proj.weight" in manifest["tensors"]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_damaged_offload_folder_entry_is_rebuilt(tiny_checkpoints, tmp_path, damage):
+    """Only its manifest was checked: a truncated or deleted weights file failed inside numpy ('mmap length
+    is greater than file size') or safetensors on every later load. Its size is recorded and checked now."""
+    path, folder = tiny_checkpoints["llama"], tmp_path / "offload"
+    load = dict(dtype="bfloat16", device_map=HALF_ON_DISK, offload_folder=folder)
+    expected = tokens(tierlm.load(path, **load))
+    for weights in folder.glob("*/*.safetensors"):
+        if damage == "truncated":
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        else:
+            weights.unlink()
+    assert tokens(tierlm.load(path, **load)) == expected
+    assert all(json.loads(m.read_text())["files"] for m in folder.glob("*/manifest.json"))
+
+
 def test_fp32_cpu_stores_wide_weights_transposed_in_every_tier(tiny_checkpoints, tmp_path):
     """Same layout, hence the same sums, whether a wide weight is resident, on the cpu tier or on disk."""
     path = tiny_checkpoints["llama"]

@@ -84,9 +84,17 @@ def atomic_write(target: Path, write) -> None:
 
 
 def folder_matches(folder: Path, want: dict) -> bool:
-    """Whether a folder written by commit_folder holds what `want` describes."""
-    manifest = folder / "manifest.json"
-    return manifest.is_file() and json.loads(manifest.read_text()) == want
+    """Whether a folder written by commit_folder holds what `want` describes, its files whole: each at the
+    size the manifest recorded (a truncated or deleted file failed inside numpy or safetensors on every
+    load; now the folder is rebuilt). A manifest of an older tierlm, without sizes, is not trusted."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        files = manifest.pop("files")
+        return manifest == want and all(
+            (folder / name).stat().st_size == size for name, size in files.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def fresh_tmp_folder(folder: Path) -> Path:
@@ -108,7 +116,8 @@ def fresh_tmp_folder(folder: Path) -> Path:
 def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
     """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
     without a manifest (an interrupted write) is never trusted."""
-    (tmp / "manifest.json").write_text(json.dumps(want))
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / "manifest.json").write_text(json.dumps({**want, "files": files}))
     old = temporary(folder, "old")
     if folder.exists():
         os.rename(folder, old)
