@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file, save_file
 
@@ -372,3 +373,33 @@ def test_a_map_that_splits_a_modules_weight_from_its_bias_is_named(tiny_checkpoi
         assert one_line(err) == says
     whole = {"": "cpu", "model.layers.0.self_attn.q_proj": "disk"}
     assert tierlm.plan.plan(tiny_checkpoints["qwen2"], device_map=whole).placement.offloaded["disk"]
+
+
+@pytest.mark.parametrize(
+    "index", ['{"weight_map": [1, 2]}', '{"weight_map": {"a": 3}}', "[1]", '{"weight_map": {"a": ""}}']
+)
+def test_a_malformed_index_is_one_line_naming_it(tiny_checkpoints, tmp_path, index):
+    """It was an AttributeError traceback ('list' object has no attribute 'items'), in `tierlm plan` too."""
+    folder = copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError) as err:
+        tierlm.load(folder)
+    assert one_line(err).startswith(
+        f"{folder / 'model.safetensors.index.json'} is not a valid safetensors index"
+    )
+
+
+def test_model_safetensors_wins_over_an_index_beside_it(tiny_checkpoints, tmp_path):
+    """As transformers chooses: the single file, not the shards of a stale index next to it."""
+    folder = copy_checkpoint(tiny_checkpoints["llama"], tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    stale = {name: torch.zeros_like(t) for name, t in weights.items()}
+    save_file(stale, folder / "old-00001-of-00001.safetensors", metadata={"format": "pt"})
+    index = {"weight_map": dict.fromkeys(stale, "old-00001-of-00001.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.tensor([[1, 5, 9]])
+    torch.testing.assert_close(
+        tierlm.load(folder, dtype="float32")(ids),
+        tierlm.load(tiny_checkpoints["llama"], dtype="float32")(ids),
+    )

@@ -94,18 +94,25 @@ CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
-    index = folder / INDEX
-    if index.is_file():
+    """Tensor name -> file: model.safetensors when the folder has it (as transformers chooses, beside an
+    index too), else the shards its index names."""
+    index, single = folder / INDEX, folder / SINGLE
+    if index.is_file() and not single.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()
+        ):
+            raise ValueError(
+                f"{index} is not a valid safetensors index: weight_map must map names to file names"
+            )
         files = {name: folder / file for name, file in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise FileNotFoundError(f"shard {f.name} named in {INDEX} is missing from {folder}")
         return files
-    single = folder / SINGLE
     if not single.is_file():
         raise FileNotFoundError(f"model folder {folder} has no {SINGLE} or {INDEX}")
     return {name: single for name in _open(single).keys()}
