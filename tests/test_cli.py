@@ -90,6 +90,8 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
         (["generate", "--temperature", "-1", "hi"], "temperature"),
         (["generate", "--device-map", "{not json", "hi"], "not valid JSON"),
         (["plan", "--device-map", '{"model.layerz.0": "disk"}'], "model.layers"),
+        (["plan", "--device-map", "gpu"], "device_map 'gpu' is neither a device"),
+        (["plan", "--max-memory", ""], "--max-memory is empty"),
         (["cache", "purge"], "invalid choice: 'purge'"),
         (
             ["generate", "--max-new-tokens", "100000", "hi"],
@@ -160,6 +162,13 @@ def test_plan_shows_tiers_streaming_and_decision():
     assert "compile: layer body on cpu (30 layers; model.layers." in out and "stream from disk" in out
     assert "whole step: no (" in out and "offloaded to disk" in out
     assert f"cpu: {cpu.detect().describe()}" in out
+
+
+def test_plan_takes_one_device_as_the_device_map():
+    """As transformers' device_map="cpu": the whole model there (a JSON error before)."""
+    proc = tierlm("plan", "--dtype", "float32", "--device-map", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing (all weights resident)" in proc.stdout
 
 
 def test_plan_counts_quantized_weights_at_their_packed_size():

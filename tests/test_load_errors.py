@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file, save_file
 
 import tierlm
+from tierlm.plan import plan as make_plan
 
 
 def copy_checkpoint(src, dst):
@@ -354,7 +355,7 @@ def test_a_tensor_of_the_wrong_shape_is_named_wherever_it_is_placed(tiny_checkpo
         tierlm.load(folder, dtype="float32", **kwargs)
     assert one_line(err) == says
     with pytest.raises(ValueError) as err:
-        tierlm.plan.plan(folder, dtype="float32", **kwargs)
+        make_plan(folder, dtype="float32", **kwargs)
     assert one_line(err) == says
 
 
@@ -367,12 +368,12 @@ def test_a_map_that_splits_a_modules_weight_from_its_bias_is_named(tiny_checkpoi
         "device_map puts the parameters of model.layers.0.self_attn.q_proj on cpu, disk; a module's weight and "
         "bias go to one device: map 'model.layers.0.self_attn.q_proj' itself"
     )
-    for call in (tierlm.load, tierlm.plan.plan):
+    for call in (tierlm.load, make_plan):
         with pytest.raises(ValueError) as err:
             call(tiny_checkpoints["qwen2"], dtype="float32", device_map=device_map)
         assert one_line(err) == says
     whole = {"": "cpu", "model.layers.0.self_attn.q_proj": "disk"}
-    assert tierlm.plan.plan(tiny_checkpoints["qwen2"], device_map=whole).placement.offloaded["disk"]
+    assert make_plan(tiny_checkpoints["qwen2"], device_map=whole).placement.offloaded["disk"]
 
 
 @pytest.mark.parametrize(
@@ -402,4 +403,27 @@ def test_model_safetensors_wins_over_an_index_beside_it(tiny_checkpoints, tmp_pa
     torch.testing.assert_close(
         tierlm.load(folder, dtype="float32")(ids),
         tierlm.load(tiny_checkpoints["llama"], dtype="float32")(ids),
+    )
+
+
+def test_a_single_device_as_the_map_places_the_whole_model_there(tiny_checkpoints):
+    """transformers reads device_map="cpu" (or 0, or a torch.device) as {"": that device}; it was refused."""
+    path = tiny_checkpoints["llama"]
+    whole = make_plan(path, device_map={"": "cpu"}).placement.module_map
+    for device_map in ("cpu", torch.device("cpu"), "CPU"):
+        assert make_plan(path, device_map=device_map).placement.module_map == whole
+    assert set(make_plan(path, device_map=0).placement.module_map.values()) == {"cuda:0"}
+    with pytest.raises(ValueError) as err:
+        make_plan(path, device_map="gpu")
+    assert one_line(err).startswith(
+        "device_map 'gpu' is neither a device (0, 'cuda:1', 'cpu', 'disk', ...) nor one"
+    )
+
+
+def test_an_empty_max_memory_is_named(tiny_checkpoints):
+    """It said "max_memory['cpu'] = 0 B is too small", a key the user never gave."""
+    with pytest.raises(ValueError) as err:
+        make_plan(tiny_checkpoints["llama"], device_map="auto", max_memory={})
+    assert (
+        one_line(err) == "max_memory is empty: give budgets such as {'cpu': '2GiB'}, or None for what is free"
     )

@@ -20,7 +20,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="execution device when no device map is given")
-    p.add_argument("--device-map", help='JSON map such as {"model.layers.1": "disk", "": "cpu"}, or auto')
+    p.add_argument(
+        "--device-map",
+        help='JSON map such as {"model.layers.1": "disk", "": "cpu"}, auto, or one device for the whole model',
+    )
     p.add_argument(
         "--max-memory",
         help="budgets such as cpu=2GiB,0=20GiB for the device map; implies --device-map auto when none is given",

@@ -54,11 +54,12 @@ def load_model(args):
 def placement_kwargs(args) -> dict:
     """Placement keywords for tierlm.load; --max-memory alone implies --device-map auto."""
     kwargs = {}
+    for flag in ("device_map", "max_memory"):
+        if getattr(args, flag, None) is not None and not getattr(args, flag).strip():
+            raise ValueError(f"--{flag.replace('_', '-')} is empty")
     dm = getattr(args, "device_map", None) or ("auto" if getattr(args, "max_memory", None) else None)
-    if dm:
-        kwargs["device_map"] = (
-            dm if dm in ("auto", "balanced", "sequential") else _json_arg(dm, "--device-map")
-        )
+    if dm:  # a strategy, one device for the whole model ("cpu", "0", "cuda:1"), or a JSON map
+        kwargs["device_map"] = dm if not dm.lstrip().startswith("{") else _json_arg(dm, "--device-map")
     if getattr(args, "max_memory", None):
         from tierlm.placement.memory import parse_max_memory_arg
 

@@ -20,6 +20,7 @@ from tierlm.placement.device_map import (
     module_map,
     offloaded_modules,
 )
+from tierlm.placement.memory import checked_device
 from tierlm.weights.entry_names import offload_entry
 from tierlm.weights.files import (
     commit_folder,
@@ -75,7 +76,24 @@ def resolve(
 ) -> Placement:
     """Expand or infer the map, check ties, and find the execution device (override: run accelerators there).
 
-    A memory budget without a map means "auto" (a budget is only ever read to infer a map)."""
+    A memory budget without a map means "auto" (a budget is only ever read to infer a map). A single device
+    (0, "cpu", "cuda:1", a torch.device) places the whole model there, as transformers reads it."""
+    if max_memory is not None and not max_memory:
+        raise ValueError(
+            "max_memory is empty: give budgets such as {'cpu': '2GiB'}, or None for what is free"
+        )
+    if isinstance(device_map, torch.device) or (
+        isinstance(device_map, (int, str))
+        and not isinstance(device_map, bool)
+        and device_map not in STRATEGIES
+    ):
+        try:
+            device_map = {"": checked_device(device_map, "device_map =")}
+        except ValueError:
+            raise ValueError(
+                f"device_map {device_map!r} is neither a device (0, 'cuda:1', 'cpu', 'disk', ...) nor one of "
+                f"{', '.join(STRATEGIES)}; or give a dict"
+            ) from None
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
     elif max_memory and not isinstance(device_map, str):
