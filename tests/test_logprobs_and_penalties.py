@@ -122,6 +122,41 @@ def test_processor_matches_direct_computation(field, adjust):
     assert got != logits.argmax(-1).tolist()  # the field changed the outcome, so the test can fail
 
 
+def test_logit_bias_applies_before_the_penalties_as_in_transformers():
+    """With both set, the bias is added first and then penalized, as transformers' SequenceBiasLogitsProcessor
+    runs before its RepetitionPenaltyLogitsProcessor (and vLLM applies logit_bias before its penalties)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    torch.manual_seed(1)
+    logits = torch.randn(STEPS, VOCAB) * 2
+    prompt = [1, 2, 3]
+    hf = LogitsProcessorList(
+        [SequenceBiasLogitsProcessor({(3,): 4.0, (5,): -3.0}), RepetitionPenaltyLogitsProcessor(3.0)]
+    )
+
+    def transformers_order(step, counts, _prompt):
+        seen = sorted(set(prompt) | {i for i in range(VOCAB) if counts[i] > 0})
+        return hf(torch.tensor([seen]), step[None])[0]
+
+    config = GenerationConfig(logit_bias={3: 4.0, 5: -3.0}, repetition_penalty=3.0)
+    assert _greedy_run(config, prompt, logits) == _expected(logits, prompt, transformers_order)
+    penalized_first = _expected(logits, prompt, lambda s, c, p: _repetition_then_bias(s, c, p))
+    assert _expected(logits, prompt, transformers_order) != penalized_first  # the order shows here
+
+
+def _repetition_then_bias(step, counts, prompt):
+    seen = (counts > 0).clone()
+    seen[prompt] = True
+    step = torch.where(seen, torch.where(step < 0, step * 3.0, step / 3.0), step)
+    step[3] += 4.0
+    step[5] -= 3.0
+    return step
+
+
 def test_per_row_warp_equals_the_scalar_one():
     torch.manual_seed(1)
     logits = torch.randn(4, 50) * 3

@@ -152,12 +152,12 @@ class Sampler:
 
         configs = [self.configs[r] for r in rows]
         logits = logits.float()
+        if self.bias is not None:  # before the penalties, as transformers' sequence_bias and vLLM apply it
+            logits = logits + pick(self.bias)
         if self.seen is not None:
             logits = apply_repetition_penalty_rows(logits, pick(self.seen), pick(self.repetition))
         if self.counts is not None:
             logits = apply_penalties(logits, pick(self.counts), pick(self.presence), pick(self.frequency))
-        if self.bias is not None:
-            logits = logits + pick(self.bias)
         if any(c.min_new_tokens for c in configs):  # EOS cannot end a row before its min_new_tokens
             early = (self.steps[index.cpu()] < self.min_new[index.cpu()]).to(logits.device)[:, None]
             logits = torch.where(early, suppress_tokens(logits, self.eos), logits)
