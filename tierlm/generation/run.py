@@ -181,10 +181,7 @@ class Generation:
             with self.model.work_lock:  # not while another generation's unit of work runs on it
                 cache = self.model.static_cache(b, length)
                 cache.holder = self.holder
-        except (
-            RuntimeError,
-            OverflowError,
-        ) as e:  # out of memory (torch's OutOfMemoryError is a RuntimeError)
+        except (RuntimeError, OverflowError) as e:  # torch's OutOfMemoryError is a RuntimeError
             raise ValueError(
                 f"a static cache of {length} slots (prompt of {width} tokens plus max_new_tokens="
                 f"{c.max_new_tokens}) cannot be allocated: {str(e).splitlines()[0]}; lower max_new_tokens or set "
