@@ -15,6 +15,7 @@ from test_server import NAME, SPECIALS, check_error, serve, write_served_model
 
 import tierlm
 from tierlm.generation.config import GenerationConfig
+from tierlm.tokenizer.pieces import piece_text
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -219,9 +220,44 @@ def test_chat_top_logprobs_list_the_true_top_tokens_in_order(http, tiny_dir):
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
             [v for _, v in ref.top], abs=1e-4
         )
-        names = [model.tokenizer.decode([t], skip_special_tokens=False) for t, _ in ref.top]
+        names = [piece_text(model.tokenizer.token_bytes(t)) for t, _ in ref.top]
         assert [t["token"] for t in entry["top_logprobs"]] == names
         assert entry["top_logprobs"][0]["logprob"] == max(t["logprob"] for t in entry["top_logprobs"])
+
+
+def test_logprobs_carry_each_tokens_own_bytes(http, tiny_dir):
+    """The tiny byte-level vocabulary emits single bytes inside characters. Each used to be reported as
+    U+FFFD's UTF-8 (chat `bytes`) and the text '\ufffd' (so completions' top_logprobs kept one key for five
+    tokens); now `bytes` are the token's own, they rebuild the text, and a partial token reads
+    "bytes:\\xNN" as OpenAI writes it."""
+    model = tierlm.load(tiny_dir, dtype="float32")
+    chat = http.post(
+        CHAT,
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 40,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "temperature": 0,
+        },
+    ).json()["choices"][0]
+    entries = [e for e in chat["logprobs"]["content"] if e["token"] not in SPECIALS]
+    raw = bytes(b for e in entries for b in e["bytes"])
+    assert raw.decode("utf-8", errors="replace") == chat["message"]["content"]
+    partial = [e for e in entries if e["token"].startswith("bytes:")]
+    assert partial, "no token inside a character in this run: the test shows nothing"
+    for e in partial:
+        assert e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in e["bytes"])
+    for e in chat["logprobs"]["content"]:
+        assert len({t["token"] for t in e["top_logprobs"]}) == 5
+    completion = http.post(
+        COMPLETIONS,
+        json={"model": NAME, "prompt": "Hello there", "max_tokens": 20, "logprobs": 5, "temperature": 0},
+    ).json()["choices"][0]
+    assert all(len(top) >= 5 for top in completion["logprobs"]["top_logprobs"])
+    assert any(t.startswith("bytes:") for t in completion["logprobs"]["tokens"])
+    assert model.tokenizer.token_bytes(model.tokenizer.token_to_id("<|im_end|>")) == b"<|im_end|>"
 
 
 # --- n, several prompts --------------------------------------------------------------------------------------

@@ -404,3 +404,30 @@ def test_chat_template_syntax_error(tmp_path):
     folder = _write_hf_dir(tmp_path / "tok", chat_template="{% for m in messages %}{{ m.content }")
     with pytest.raises(ValueError, match="chat template does not compile: line 1"):
         Tokenizer.from_dir(folder).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("kind", ["smollm", "spm"])
+def test_token_bytes_rebuild_the_text_split_inside_characters(kind, request):
+    """A token's own bytes (logprobs' `bytes`): a byte-level or byte-fallback token inside a character alone
+    decodes to U+FFFD, so its bytes come from the vocabulary entry; together they are the text's UTF-8, and
+    a token whose bytes are whole UTF-8 has its decoded text (with the space SentencePiece drops when the
+    token comes first, as llama.cpp's token_to_piece keeps it)."""
+    tok = request.getfixturevalue(kind)
+    text = "Emoji: 😀🎉 naïve 中文 \t\n  end"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode("utf-8").removeprefix(" " if kind == "spm" else "") == text
+    assert any(_not_utf8(p) for p in pieces)  # some token sits inside a character: the case that broke
+    for i in range(tok.vocab_size):
+        raw = tok.token_bytes(i)
+        if not _not_utf8(raw):
+            alone = tok.decode([i], skip_special_tokens=False)  # SentencePiece drops a first token's space
+            assert raw.decode("utf-8") in (alone, " " + alone), i
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from tierlm.generation.loop import TokenLogprob
 from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler
 from tierlm.server.errors import APIError, error_body
+from tierlm.tokenizer.pieces import piece_text
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Reply:
     # --- log probabilities in OpenAI's two shapes ----------------------------------------------------
 
     def _token(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """A token's text for logprobs: "bytes:\\xNN.." for a token inside a character, as OpenAI writes it."""
+        return piece_text(self.tokenizer.token_bytes(token))
 
     def _logprobs(self, entries: list[TokenLogprob], choice: Choice) -> dict | None:
         if self.top is None:
@@ -139,8 +141,8 @@ class Reply:
 
     def _chat_entry(self, e: TokenLogprob) -> dict:
         def one(token: int, logprob: float) -> dict:
-            text = self._token(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            raw = self.tokenizer.token_bytes(token)  # the token's own bytes: they rebuild split characters
+            return {"token": piece_text(raw), "logprob": logprob, "bytes": list(raw)}
 
         return {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[: self.top]]}
 

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tierlm.tokenizer.chat import TemplateRaised, compile_chat_template
 from tierlm.tokenizer.gguf_vocab import read_gguf_vocabulary
 from tierlm.tokenizer.hf_folder import read_hf_folder
+from tierlm.tokenizer.pieces import Pieces
 from tierlm.tokenizer.special import SpecialTokens
 from tierlm.tokenizer.stream import StreamDecoder
 
@@ -36,6 +37,7 @@ class Tokenizer:
         self._add_bos = add_bos
         self._chat_template = chat_template
         self._compiled: jinja2.Template | None = None
+        self._pieces: Pieces | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -107,6 +109,13 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (a token inside a multi-byte character has part of its bytes; its
+        decoded text alone would be U+FFFD)."""
+        if self._pieces is None:
+            self._pieces = Pieces(self._backend)
+        return self._pieces(token_id)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A decoder that turns generated ids into text deltas, one id at a time."""
