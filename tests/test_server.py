@@ -324,6 +324,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param)
     (CHAT, {**GOOD, "max_tokens": 2.5}, "max_tokens"),
     (CHAT, {**GOOD, "n": 0}, "n"),
     (CHAT, {**GOOD, "stream": "yes"}, "stream"),
+    (CHAT, {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     (CHAT, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (CHAT, {**GOOD, "messages": []}, "messages"),
     (CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

@@ -167,7 +167,7 @@ def test_non_ascii_api_key_that_matches_is_accepted(small_dir):
 )
 def test_unknown_model_is_404_model_not_found(http, path, body):
     error = check_error(http.post(path, json=body), 404, "model")
-    assert error["code"] == "model_not_found"
+    assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")  # OpenAI's
     assert check_error(http.get(f"/v1/models/{body['model']}"), 404, "model")["code"] == "model_not_found"
 
 

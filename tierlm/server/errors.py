@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # OpenAI's type for an unknown model or route (code model_not_found ...)
     405: "invalid_request_error",
     413: "invalid_request_error",
     503: "server_overloaded",

@@ -115,6 +115,8 @@ class _Common(BaseModel):
                 raise APIError(400, f"{message}, got {short_repr(self.model_extra[name])}", name)
         self.stops()
         _ = self.parsed_response_format
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
