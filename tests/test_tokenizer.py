@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 from datetime import datetime
 from pathlib import Path
 
@@ -431,3 +432,31 @@ def _not_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_streamed_deltas_join_to_decode_across_broken_byte_fallback_runs(spm):
+    """SentencePiece's byte fallback decodes a run of <0xNN> tokens as a whole: one invalid byte makes the
+    whole run U+FFFD, valid bytes before it included. Streamed text had already sent those ('é' then '��x'
+    for 'é', 0xC3, 'x', where decode gives '���x'); it now waits until a token other than a byte ends the
+    run. Random mixes of byte and word tokens: the deltas join to decode(ids)."""
+    byte = {b: spm.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    words = [spm.token_to_id(p) for p in SPM_PIECES]
+    ids = [byte[0xC3], byte[0xA9], byte[0xC3], spm.token_to_id("▁hello")]
+    assert _streamed(spm, ids) == spm.decode(ids) == "\ufffd\ufffd\ufffd hello"
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [
+            rng.choice(
+                [byte[rng.randrange(256)], byte[rng.choice([0xC3, 0xA9, 0xE4, 0xB8])], rng.choice(words)]
+            )
+        ]
+        ids += [
+            rng.choice([byte[rng.randrange(0x80, 0x100)], rng.choice(words)])
+            for _ in range(rng.randrange(12))
+        ]
+        assert _streamed(spm, ids) == spm.decode(ids), ids
+
+
+def _streamed(tok, ids) -> str:
+    decoder = tok.stream_decoder()
+    return "".join(decoder.push(i) for i in ids) + decoder.flush()

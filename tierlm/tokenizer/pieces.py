@@ -4,6 +4,7 @@ alone gives U+FFFD for a token inside a character; its bytes come from the vocab
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -46,6 +47,15 @@ class Pieces:
             self.kind = "sentencepiece"
         else:
             self.kind = "text"
+
+    @functools.cached_property
+    def fallback_ids(self) -> frozenset[int]:
+        """The <0xNN> byte tokens of a SentencePiece vocabulary with byte fallback (empty otherwise): its
+        decoder turns a run of them into text as a whole (all U+FFFD when any byte is invalid)."""
+        if self.kind != "sentencepiece":
+            return frozenset()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for piece, i in vocab.items() if FALLBACK_BYTE.fullmatch(piece))
 
     def __call__(self, token_id: int) -> bytes:
         if token_id in self.added:  # special and added tokens: their text

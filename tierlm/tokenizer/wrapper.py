@@ -110,16 +110,20 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    @property
+    def pieces(self) -> Pieces:
+        if self._pieces is None:
+            self._pieces = Pieces(self._backend)
+        return self._pieces
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (a token inside a multi-byte character has part of its bytes; its
         decoded text alone would be U+FFFD)."""
-        if self._pieces is None:
-            self._pieces = Pieces(self._backend)
-        return self._pieces(token_id)
+        return self.pieces(token_id)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A decoder that turns generated ids into text deltas, one id at a time."""
-        return StreamDecoder(self._backend, skip_special_tokens)
+        return StreamDecoder(self._backend, skip_special_tokens, self.pieces.fallback_ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
