@@ -105,6 +105,41 @@ def test_chat_template_and_turn_end(gemma):
     assert set(tok.eos_token_ids) == {1, tok.token_to_id("<end_of_turn>")}
 
 
+@pytest.mark.parametrize(
+    "messages, rendered",
+    [
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": " hi "}, {"type": "text", "text": "there"}],
+                }
+            ],
+            "<bos><start_of_turn>user\nhithere<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (
+            [
+                {"role": "system", "content": [{"type": "text", "text": "Be terse."}]},
+                {"role": "user", "content": "Hi"},
+            ],
+            "<bos><start_of_turn>user\nBe terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "roles must alternate"),
+        ([{"role": "system", "content": "S"}, {"role": "assistant", "content": "x"}], "roles must alternate"),
+        ([{"role": "user", "content": 5}], "Invalid content type"),
+    ],
+)
+def test_chat_template_renders_as_gemmas_own(gemma, messages, rendered):
+    """The stand-in template follows Gemma's: list content is its text parts (it was the list's Python
+    repr, and a system message as parts a TypeError), and roles alternate (a second system message or a
+    model turn first used to be dropped or mixed into the wrong turn without a word)."""
+    if rendered.startswith("<bos>"):
+        assert gemma.tokenizer.apply_chat_template(messages) == rendered
+    else:
+        with pytest.raises(ValueError, match=rendered):
+            gemma.tokenizer.apply_chat_template(messages)
+
+
 def test_greedy_chat_matches_transformers(gemma, hf_gemma):
     """32 greedy tokens of a chat prompt equal transformers' (fp32), their logits within 1e-3."""
     ids = gemma.tokenizer.encode(gemma.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)

@@ -162,6 +162,22 @@ def test_non_ascii_api_key_that_matches_is_accepted(small_dir):
 # --- small ones ---------------------------------------------------------------------------------------------
 
 
+def test_a_developer_message_is_the_system_message(http):
+    """OpenAI's newer name for the system role; templates know only "system" (it became a user turn, or a
+    turn named "developer")."""
+
+    def completion(role: str) -> dict:
+        messages = [{"role": role, "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]
+        body = chat_body(messages=messages, max_tokens=4, temperature=0, logprobs=True)
+        response = http.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    developer, system = completion("developer"), completion("system")
+    assert developer["usage"] == system["usage"]
+    assert developer["choices"][0]["logprobs"] == system["choices"][0]["logprobs"]
+
+
 @pytest.mark.parametrize(
     "path,body", [(CHAT, chat_body(model="gpt-4")), (COMPLETIONS, completion_body(model="x"))]
 )

@@ -125,6 +125,24 @@ def test_smollm_chat_template_matches_transformers(smollm, hf_smollm, with_syste
     assert ours.endswith("<|im_start|>assistant\n") is add_generation_prompt
 
 
+def test_smollm_chat_template_options_match_transformers(smollm, hf_smollm):
+    """continue_final_message (was ignored: the closing <|im_end|> stayed), tools defaulting to None (a
+    template testing `tools is not none` took its tools branch), an empty chat (an error in both)."""
+    messages = [*CONVERSATION[1:2], {"role": "assistant", "content": "The capital is"}]
+    ours = smollm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf_smollm.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.endswith("The capital is")
+    with pytest.raises(ValueError, match="messages is empty"):
+        smollm.apply_chat_template([])
+    probe = Tokenizer(
+        smollm.backend, smollm.special, chat_template="{% if tools is not none %}TOOLS{% endif %}x"
+    )
+    assert probe.apply_chat_template(CONVERSATION) == "x"
+    assert probe.apply_chat_template(CONVERSATION, tools=[{"type": "function"}]) == "TOOLSx"
+
+
 # --- a tiny sentencepiece-style ("llama") GGUF --------------------------------------------------
 
 SPM_PIECES = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "▁t", "he", "ll", "or", "ld", "▁w"]

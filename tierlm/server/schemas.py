@@ -186,7 +186,8 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for it
+        return {"role": role, "content": content or ""}
 
 
 class ChatCompletionRequest(_Common):

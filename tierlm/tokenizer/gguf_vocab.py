@@ -175,11 +175,29 @@ _GGUF_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
 _GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 # Gemma's turn format, for Gemma GGUFs that carry no tokenizer.chat_template (the Gemma 3 270M one does
-# not): <start_of_turn>user|model, the text, <end_of_turn>; a system message opens the first user turn.
+# not), as Gemma's own template renders it: <start_of_turn>user|model, the text trimmed, <end_of_turn>; a
+# first system message (its text as given) opens the first turn; roles must alternate user/model; content
+# is a string or a list of parts whose text parts are joined (another part type, or another content type,
+# is an error, never its Python repr).
 GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
-    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n'"
-    " + ns.system + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.system = '' %}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    "{%- macro text(content, trimmed) -%}"
+    "{%- if content is string -%}{{ content | trim if trimmed else content }}"
+    "{%- elif content is iterable and content is not mapping -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] | trim if trimmed else part['text'] }}"
+    "{%- else -%}{{ raise_exception('Unsupported content part type: ' ~ part['type']) }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = text(messages[0]['content'], false) + '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ prefix if loop.first else '' }}{{ text(m['content'], true) }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )

@@ -126,21 +126,40 @@ class Tokenizer:
         return StreamDecoder(self._backend, skip_special_tokens, self.pieces.fallback_ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> str:
-        """Render `messages` with the model's chat template, as transformers does."""
+        """Render `messages` with the model's chat template, as transformers does: `tools` and `documents`
+        are None unless given; `continue_final_message` ends the text inside the last message (for the
+        model to continue it) instead of after its end-of-turn."""
         if self._chat_template is None:
             raise ValueError("this tokenizer has no chat template")
+        if not messages:
+            raise ValueError("messages is empty: a chat needs at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: add_generation_prompt must be False"
+            )
         if self._compiled is None:
             self._compiled = compile_chat_template(self._chat_template)
         chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
-        context = {**self._template_tokens(), **extra, "add_generation_prompt": add_generation_prompt}
+        context = {
+            "tools": None,
+            "documents": None,
+            **self._template_tokens(),
+            **extra,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._compiled.render(messages=chat, **context)
+            text = self._compiled.render(messages=chat, **context)
         except TemplateRaised as err:
             raise ValueError(f"chat template raised an error: {err.message}") from err
-        except jinja2.TemplateError as err:
+        except (jinja2.TemplateError, TypeError) as err:  # e.g. list content a template adds to a string
             raise ValueError(f"chat template failed to render: {err}") from err
+        return _cut_after_final(text, chat[-1]) if continue_final_message else text
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self._add_bos:
@@ -157,6 +176,18 @@ class Tokenizer:
             "unk_token": s.unk_id,
         }
         return {name: self._backend.id_to_token(i) for name, i in ids.items() if i is not None}
+
+
+def _cut_after_final(text: str, final: dict[str, Any]) -> str:
+    """`text` up to the end of the final message's content (its last text part for a list)."""
+    content = final.get("content", "")
+    if isinstance(content, list):
+        content = next((p.get("text", "") for p in reversed(content) if p.get("type") == "text"), "")
+    content = str(content).strip()
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise ValueError("continue_final_message: the final message's content is not in the rendered chat")
+    return text[: end + len(content)]
 
 
 def _check_text(text) -> None:
