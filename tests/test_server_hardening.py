@@ -204,9 +204,11 @@ def test_openapi_documents_openai_errors_instead_of_422(live):
 
 
 def test_serve_prints_each_log_line_once(small_dir):
-    """The CLI gives the `tierlm` logger a handler; the server's lines must not get a second one."""
+    """The CLI gives the `tierlm` logger a handler; the server's lines must not get a second one. It serves
+    under --served-model-name (as vLLM's flag), which /v1/models lists."""
     port = free_port()
     command = [sys.executable, "-m", "tierlm.cli", "serve", "--model", str(small_dir), "--dtype", "float32"]
+    command += ["--served-model-name", "my-model"]
     proc = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -217,13 +219,15 @@ def test_serve_prints_each_log_line_once(small_dir):
             except httpx.TransportError:
                 assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
                 time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", trust_env=False).json()
+        assert [m["id"] for m in models["data"]] == ["my-model"]
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
     finally:
         proc.kill()
         proc.wait()
     lines = stderr.splitlines()
-    assert sum("serving tiny" in line for line in lines) == 1, stderr
+    assert sum("serving my-model" in line for line in lines) == 1, stderr
     assert sum("shutting down" in line for line in lines) == 1, stderr
 
 

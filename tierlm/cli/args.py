@@ -120,6 +120,10 @@ def _add_serve(sub) -> None:
     add_compile_mode_arg(serve)
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument(
+        "--served-model-name",
+        help="the model name clients send and /v1/models lists (default: the file or folder name), as vLLM's",
+    )
+    serve.add_argument(
         "--batching",
         choices=("continuous", "static"),
         default="continuous",

@@ -16,6 +16,9 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--port must be in 0-65535, got {port}")
     if getattr(args, "api_key", None) is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
+    name = getattr(args, "served_model_name", None)
+    if name is not None and not name.strip():
+        raise ValueError("--served-model-name must not be empty")
     replicas = getattr(args, "replicas", None)
     if replicas is not None and replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
@@ -59,6 +62,7 @@ def cmd_serve(args) -> int:
         api_key=args.api_key,
         generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
         batching=args.batching,
+        model_name=getattr(args, "served_model_name", None),
     )
     return 0
 
@@ -108,6 +112,7 @@ def serve_replicas(args) -> int:
             "api_key": args.api_key,
             "generation_config": GenerationConfig(compile_config=cc) if cc else None,
             "batching": args.batching,
+            "model_name": getattr(args, "served_model_name", None),
         },
         cpus=args.replica_cpus,
         gpus=args.replica_gpus,
