@@ -406,8 +406,12 @@ def test_model_safetensors_wins_over_an_index_beside_it(tiny_checkpoints, tmp_pa
     )
 
 
-def test_a_single_device_as_the_map_places_the_whole_model_there(tiny_checkpoints):
-    """transformers reads device_map="cpu" (or 0, or a torch.device) as {"": that device}; it was refused."""
+def test_a_single_device_as_the_map_places_the_whole_model_there(tiny_checkpoints, default_model_path):
+    """transformers reads device_map="cpu" (or 0, or a torch.device) as {"": that device}; it was refused.
+    The quantization default reads it the same way (a GPU model is not quantized for this CPU)."""
+    for device_map in (0, "cuda:0"):
+        gpu = make_plan(default_model_path, device_map=device_map)
+        assert gpu.quantization == make_plan(default_model_path, device_map={"": 0}).quantization is None
     path = tiny_checkpoints["llama"]
     whole = make_plan(path, device_map={"": "cpu"}).placement.module_map
     for device_map in ("cpu", torch.device("cpu"), "CPU"):

@@ -21,7 +21,7 @@ from tierlm.models.layers import FUSED_PROJECTIONS
 from tierlm.module_names import under
 from tierlm.placement.device_map import execution_device as executor_of
 from tierlm.placement.device_map import format_bytes, format_modules
-from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve
+from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve, single_device_map
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
 from tierlm.weights.layout import transposes_wide_weights, wide_weight_names
@@ -102,6 +102,7 @@ def plan(
         execution_device = str(_device(execution_device, "execution_device"))
     checkpoint, target = _header(path, dtype, dev)
     cfg = checkpoint.config
+    device_map = single_device_map(device_map)  # before the quantization default reads where it runs
     quant = _quantization(quantize, group_size, dtype, path, dev, device_map, max_memory, execution_device)
     names, sizes, tied = parameter_table(cfg, target, quant)
     kv = kv_bytes_per_token(cfg, target)

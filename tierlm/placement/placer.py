@@ -82,18 +82,7 @@ def resolve(
         raise ValueError(
             "max_memory is empty: give budgets such as {'cpu': '2GiB'}, or None for what is free"
         )
-    if isinstance(device_map, torch.device) or (
-        isinstance(device_map, (int, str))
-        and not isinstance(device_map, bool)
-        and device_map not in STRATEGIES
-    ):
-        try:
-            device_map = {"": checked_device(device_map, "device_map =")}
-        except ValueError:
-            raise ValueError(
-                f"device_map {device_map!r} is neither a device (0, 'cuda:1', 'cpu', 'disk', ...) nor one of "
-                f"{', '.join(STRATEGIES)}; or give a dict"
-            ) from None
+    device_map = single_device_map(device_map)
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
     elif max_memory and not isinstance(device_map, str):
@@ -112,6 +101,24 @@ def resolve(
         offloaded=offloaded_modules(modules),
         drop_disk_pages=isinstance(device_map, str) and max_memory is not None,
     )
+
+
+def single_device_map(device_map: Any) -> Any:
+    """One device given as the map (0, "cpu", "cuda:1", a torch.device) as {"": that device}, as transformers
+    reads it; a dict, a strategy name or None unchanged."""
+    if isinstance(device_map, torch.device) or (
+        isinstance(device_map, (int, str))
+        and not isinstance(device_map, bool)
+        and device_map not in STRATEGIES
+    ):
+        try:
+            return {"": checked_device(device_map, "device_map =")}
+        except ValueError:
+            raise ValueError(
+                f"device_map {device_map!r} is neither a device (0, 'cuda:1', 'cpu', 'disk', ...) nor one of "
+                f"{', '.join(STRATEGIES)}; or give a dict"
+            ) from None
+    return device_map
 
 
 def _budgeted(param_bytes: Mapping[str, int], tied: list[tuple[str, str]]) -> dict[str, int]:
