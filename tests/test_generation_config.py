@@ -166,6 +166,11 @@ def test_compile_config_checks_what_torch_compile_would_refuse_minutes_later(kwa
 
 
 def test_compile_config_takes_torch_compile_values():
-    for kwargs in ({"mode": "max-autotune"}, {"backend": "aot_eager"}, {"options": {"cpp.simdlen": 256}}):
+    for kwargs in (
+        {"mode": "max-autotune"},
+        {"backend": "aot_eager"},
+        {"options": {"cpp.simdlen": 256}},
+        {"dynamic": None},  # torch.compile's own default
+    ):
         CompileConfig(**kwargs)
     CompileConfig(backend=lambda gm, inputs: gm)

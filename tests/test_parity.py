@@ -139,6 +139,7 @@ def test_window_keys_as_transformers_defaults_them(tmp_path):
     from tierlm.config import ModelConfig
 
     raw = json.loads((write_tiny_checkpoint(tmp_path / "m", "mistral") / "config.json").read_text())
+    raw = {**raw, "max_position_embeddings": 32768}
     raw.pop("sliding_window")
     assert ModelConfig.from_hf_dict(raw).sliding_window == 4096
     assert ModelConfig.from_hf_dict({**raw, "sliding_window": None}).layer_types == ()
@@ -148,3 +149,5 @@ def test_window_keys_as_transformers_defaults_them(tmp_path):
     )
     with pytest.raises(ValueError, match='"sliding_window" must be a positive integer'):
         ModelConfig.from_hf_dict({**raw, "sliding_window": 0})
+    whole = {**raw, "sliding_window": 512, "max_position_embeddings": 512}  # as Ministral's 32768 of 32768
+    assert ModelConfig.from_hf_dict(whole).layer_types == ()  # masks nothing in the context: full layers

@@ -70,9 +70,12 @@ class CompileConfig:
         if self.scope not in SCOPES:
             raise ValueError(f"CompileConfig.scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
         for name in ("fullgraph", "dynamic", "freezing", "cpp_wrapper"):
-            value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name in ("freezing", "cpp_wrapper")):
-                valid = "True or False" + (" or None" if name in ("freezing", "cpp_wrapper") else "")
+            value, optional = (
+                getattr(self, name),
+                name != "fullgraph",
+            )  # dynamic=None: torch.compile's default
+            if not isinstance(value, bool) and not (value is None and optional):
+                valid = "True or False" + (" or None" if optional else "")
                 raise ValueError(f"CompileConfig.{name} must be {valid}, got {value!r}")
         _check_backend(self.backend)
         if self.mode is not None:

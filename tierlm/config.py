@@ -322,7 +322,9 @@ def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str
     """Sliding-window attention of Mistral, Qwen2 and Qwen3, as transformers reads their config.json:
     Mistral's window (4096 when the key is absent, none when null) covers every layer; Qwen's applies with
     `use_sliding_window` to the layers `layer_types` names sliding (when absent: those from index
-    `max_window_layers` on). Sliding layers share the model's one rotary table. {} for full attention."""
+    `max_window_layers` on). Sliding layers share the model's one rotary table. {} for full attention, and
+    for a window at least the context: within it the window masks nothing, and full layers keep the fast
+    paths (a fused decode attention, continuous batching, a shared prefill for n > 1)."""
     if family == "mistral":
         window = raw.get("sliding_window", MISTRAL_WINDOW)
     elif family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
@@ -332,6 +334,8 @@ def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str
     if window is None:
         return {}
     window = positive_int({"sliding_window": window}, "sliding_window")
+    if window >= positive_int(raw, "max_position_embeddings", 2048):
+        return {}  # every key of the context is inside it (Ministral's 32768 of 32768): full attention
     if family == "mistral":
         types: Any = [SLIDING] * num_layers
     else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.cache import StaticCache
+from tierlm.cache import DynamicCache, StaticCache
 from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
@@ -129,7 +129,7 @@ class Model:
         """The decode step run eagerly: step(tokens, positions, slots, length) -> logits [batch, vocab],
         attending over the `length` slots in use, not the whole cache."""
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
-        grows = not isinstance(cache, StaticCache)  # a dynamic cache: no position bound known up front
+        grows = isinstance(cache, DynamicCache)  # no position bound known up front
 
         def step(tokens, positions, slots, length):
             if grows:  # this step's positions are < the columns cached so far + 1

@@ -181,7 +181,9 @@ class Generation:
             with self.model.work_lock:  # not while another generation's unit of work runs on it
                 cache = self.model.static_cache(b, length)
                 cache.holder = self.holder
-        except (RuntimeError, OverflowError) as e:  # torch's OutOfMemoryError is a RuntimeError
+        except (RuntimeError, OverflowError) as e:
+            if isinstance(e, RuntimeError) and not _out_of_memory(e):
+                raise  # not the size (a device error, a bug): as it is
             raise ValueError(
                 f"a static cache of {length} slots (prompt of {width} tokens plus max_new_tokens="
                 f"{c.max_new_tokens}) cannot be allocated: {str(e).splitlines()[0]}; lower max_new_tokens or set "
@@ -378,6 +380,14 @@ class PromptLogprobs:
                 entries.append(TokenLogprob(int(self.ids[row, col]), chosen[col - 1], top))
             out.append(entries if n is not None else None)
         return out
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """torch's out-of-memory error, or an allocator's message for a size it cannot allocate or compute."""
+    message = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or any(
+        words in message for words in ("allocate", "out of memory", "Storage size calculation overflowed")
+    )
 
 
 def _repeat(rows: list | None, n: int) -> list | None:
