@@ -146,6 +146,8 @@ class Tokenizer:
         if self._compiled is None:
             self._compiled = compile_chat_template(self._chat_template)
         chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
+        if continue_final_message:  # a mark after the last text, to cut the rendered chat at
+            chat[-1] = _marked(chat[-1])
         context = {
             "tools": None,
             "documents": None,
@@ -159,7 +161,13 @@ class Tokenizer:
             raise ValueError(f"chat template raised an error: {err.message}") from err
         except (jinja2.TemplateError, TypeError) as err:  # e.g. list content a template adds to a string
             raise ValueError(f"chat template failed to render: {err}") from err
-        return _cut_after_final(text, chat[-1]) if continue_final_message else text
+        if not continue_final_message:
+            return text
+        if text.count(CONTINUE_MARK) != 1:
+            raise ValueError(
+                "continue_final_message: the chat template does not render the final message's text"
+            )
+        return text[: text.index(CONTINUE_MARK)]
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self._add_bos:
@@ -178,16 +186,25 @@ class Tokenizer:
         return {name: self._backend.id_to_token(i) for name, i in ids.items() if i is not None}
 
 
-def _cut_after_final(text: str, final: dict[str, Any]) -> str:
-    """`text` up to the end of the final message's content (its last text part for a list)."""
+CONTINUE_MARK = "\x00tierlm:continue\x00"  # no template trims it, no text holds it
+
+
+def _marked(final: dict[str, Any]) -> dict[str, Any]:
+    """The final message with CONTINUE_MARK after its text (after its last text part for a list), so the
+    rendered chat is cut right there: what a template adds after the message goes, and trailing spaces of
+    the text stay (as transformers marks and cuts it)."""
     content = final.get("content", "")
     if isinstance(content, list):
-        content = next((p.get("text", "") for p in reversed(content) if p.get("type") == "text"), "")
-    content = str(content).strip()
-    end = text.rfind(content) if content else -1
-    if end < 0:
-        raise ValueError("continue_final_message: the final message's content is not in the rendered chat")
-    return text[: end + len(content)]
+        last = max(
+            (i for i, p in enumerate(content) if isinstance(p, dict) and p.get("type") == "text"),
+            default=None,
+        )
+        if last is None:
+            raise ValueError("continue_final_message: the final message has no text part to continue")
+        parts = [*content]
+        parts[last] = {**parts[last], "text": parts[last].get("text", "") + CONTINUE_MARK}
+        return {**final, "content": parts}
+    return {**final, "content": str(content) + CONTINUE_MARK}
 
 
 def _check_text(text) -> None:
