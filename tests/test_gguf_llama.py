@@ -135,7 +135,10 @@ def test_a_gguf_cache_written_before_rope_freqs_were_read_is_rebuilt(llama3):
     old["rope_scaling"] = {**old["rope_scaling"], "rope_type": "default", "freq_factors": []}
     meta.write_text(json.dumps(old))  # as format 1 wrote it: no factors
     assert gguf_cache.open_cached(gguf, torch.float32) is None
+    weights = gguf_cache.cache_dir(gguf) / "weights-float32.safetensors"
+    written = weights.stat().st_mtime_ns
     assert gguf_cache.ensure(gguf, torch.float32).config.rope_scaling.rope_type == "freq_factors"
+    assert weights.stat().st_mtime_ns == written  # only the config is written again, not the weights
 
 
 @pytest.mark.parametrize("name", ["LLAMA3.GGUF", "llama3.bin"])

@@ -67,6 +67,12 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
     folder = cache_dir(gguf_path)
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
+    if weights.is_file() and (folder / "source.json").is_file():  # only the config is of an older format
+        _write_config(folder, gguf)
+        try:
+            return SafetensorsCheckpoint.from_file(weights, gguf.config)
+        except (ValueError, OSError):
+            pass  # damaged weights: written again below
     names = gguf.names()
     shapes = {n: gguf.shape(n) for n in names}
 
@@ -80,9 +86,13 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
     types = {n: gguf.tensors[n].tensor_type.name for n in names}
     source = {"gguf": str(gguf_path.resolve()), "tensor_types": types}
     atomic_write(folder / "source.json", lambda p: p.write_text(json.dumps(source)))
+    _write_config(folder, gguf)
+    return SafetensorsCheckpoint.from_file(weights, gguf.config)
+
+
+def _write_config(folder: Path, gguf) -> None:
     config = {**dataclasses.asdict(gguf.config), "tierlm_config_format": CONFIG_FORMAT}
     atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(config)))
-    return SafetensorsCheckpoint.from_file(weights, gguf.config)
 
 
 def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, tensors) -> None:
