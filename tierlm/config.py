@@ -298,8 +298,7 @@ def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScali
     if types is None:
         pattern = positive_int(raw, "sliding_window_pattern", GGUF_SLIDING_PATTERN)
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
+    _check_layer_types(types)
     window = raw.get("sliding_window")
     kinds = {
         "layer_types": tuple(types),
@@ -345,11 +344,15 @@ def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str
             if not _is_int(first) or first < 0:
                 raise ValueError(f'field "max_window_layers" must be an integer >= 0, got {_shown(first)}')
             types = [SLIDING if i >= first else FULL for i in range(num_layers)]
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
+    _check_layer_types(types)
     if SLIDING not in types:
         return {}
     return {"layer_types": tuple(types), "sliding_window": window}
+
+
+def _check_layer_types(types: Any) -> None:
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
 
 
 def _optional_positive(raw: dict[str, Any], key: str) -> float | None:

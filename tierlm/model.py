@@ -132,7 +132,8 @@ class Model:
         grows = isinstance(cache, DynamicCache)  # no position bound known up front
 
         def step(tokens, positions, slots, length):
-            if grows:  # this step's positions are < the columns cached so far + 1
+            rope = self.decoder.rope_cos
+            if grows and (rope is None or cache.valid.shape[1] >= rope.shape[0]):  # positions <= the columns
                 self.decoder.ensure_rope(cache.valid.shape[1] + 1, self.device)
             logits = self.decoder(
                 tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots, length=length

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import re
 
+KEY = r"[0-9a-f]{20}"  # an identity_key's form
+
 
 def is_key(name: str) -> bool:
     """An identity_key (weights/files.py): 20 hex digits, a gguf/, offload/ or aot/ entry's name."""
-    return re.fullmatch(r"[0-9a-f]{20}", name) is not None
+    return re.fullmatch(KEY, name) is not None
 
 
 def offload_entry(name: str) -> bool:
     """What tierlm writes in an offload folder: <key>[-<what>], or resident-<what> for the packed weights of
     a resident checkpoint. The folder is the user's to choose, so only temporaries of such names are ever
     swept from it."""
-    return re.match(r"(?:[0-9a-f]{20}|resident)(?:-|$)", name) is not None
+    return re.match(rf"(?:{KEY}|resident)(?:-|$)", name) is not None
