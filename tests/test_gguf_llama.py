@@ -54,7 +54,8 @@ def llama3_factors(cfg: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def to_gguf(folder, path, rope_freqs: bool = True):
+def to_gguf(folder, path, rope_freqs: bool = True, metadata=None):
+    """The folder as llama.cpp's converter writes it; `metadata(writer)` adds keys of a test's own."""
     cfg = json.loads((folder / "config.json").read_text())
     heads, kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = hidden // heads
@@ -77,6 +78,8 @@ def to_gguf(folder, path, rope_freqs: bool = True):
     writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if metadata is not None:
+        metadata(writer)
     for name, w in load_file(folder / "model.safetensors").items():
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"

@@ -5,6 +5,7 @@ The table of supported families is tierlm.families."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +21,15 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "tierlm"
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling: "default" (none), "linear" or "llama3"; or "freq_factors", a GGUF's `rope_freqs`
-    tensor (llama.cpp's converter writes llama3 scaling so): each inverse frequency divided by its factor."""
+    """Rotary scaling: "default" (none), "linear", "llama3" or "yarn" (YaRN: frequencies blended between
+    interpolated and original by a ramp over [beta_fast, beta_slow] rotations, cos and sin scaled by
+    `attention_factor`); or "freq_factors", a GGUF's `rope_freqs` tensor (llama.cpp's converter writes
+    llama3 scaling so): each inverse frequency divided by its factor."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -34,6 +37,10 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the ramp's ends outwards to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
 
     def __post_init__(self) -> None:
         if self.rope_type not in (*ROPE_TYPES, "freq_factors"):
@@ -205,9 +212,7 @@ class ModelConfig:
         hidden = count("embedding_length")
         num_heads = count("attention.head_count")
         vocab = keys.get("vocab_size") or n_vocab_tensor or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = RopeScaling()
-        if keys.get("rope.scaling.type") == "linear":
-            scaling = RopeScaling("linear", factor=positive_float(keys, "rope.scaling.factor", 1.0, prefix))
+        scaling = _gguf_rope_scaling(keys, prefix)
         head_dim = count("attention.key_length", count("rope.dimension_count", hidden // num_heads))
         if rope_freqs is not None:
             if len(rope_freqs) != head_dim // 2:
@@ -245,6 +250,40 @@ class ModelConfig:
             torch_dtype=None,
             **kinds,
         )
+
+
+def _gguf_rope_scaling(keys: dict[str, Any], prefix: str) -> RopeScaling:
+    """Rotary scaling from GGUF keys, as llama.cpp reads them: none, linear, or YaRN (its attention scale
+    `yarn_attn_factor` times the paper's, the ramp over [yarn_beta_fast, yarn_beta_slow] rotations)."""
+    kind = keys.get("rope.scaling.type") or "none"
+    if kind == "none":
+        return RopeScaling()
+    factor = positive_float(keys, "rope.scaling.factor", 1.0, prefix)
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope scaling type {kind!r} in {prefix}rope.scaling.type")
+    for key, neutral in (
+        ("rope.scaling.yarn_log_multiplier", (0.0,)),  # DeepSeek's attention scale
+        ("rope.scaling.yarn_ext_factor", (-1.0, 1.0)),  # -1: llama.cpp's "1 for yarn"
+        ("rope.scaling.attn_factor", (1.0,)),
+    ):
+        if keys.get(key, neutral[0]) not in neutral:
+            raise ValueError(f"unsupported {prefix}{key} {keys[key]!r}")
+    return RopeScaling(
+        "yarn",
+        factor=factor,
+        original_max_position_embeddings=positive_int(
+            keys,
+            "rope.scaling.original_context_length",
+            positive_int(keys, "context_length", 2048, prefix),
+            prefix,
+        ),
+        beta_fast=positive_float(keys, "rope.scaling.yarn_beta_fast", 32.0, prefix),
+        beta_slow=positive_float(keys, "rope.scaling.yarn_beta_slow", 1.0, prefix),
+        attention_factor=positive_float(keys, "rope.scaling.yarn_attn_factor", 1.0, prefix)
+        * yarn_mscale(factor),
+    )
 
 
 def _gguf_layer_kinds(keys: dict[str, Any], prefix: str, head_dim: int) -> dict[str, Any]:
@@ -289,7 +328,10 @@ def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScali
             raise ValueError(f'field "rope_parameters" must map layer types to objects, got {_shown(params)}')
         if (local.get("rope_type") or "default") != "default":
             raise ValueError(f"unsupported rope type {local['rope_type']!r} for sliding layers")
-        theta, scaling = _rope({"rope_parameters": full, "rope_theta": 1_000_000.0})
+        outer = {
+            k: raw[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in raw
+        }
+        theta, scaling = _rope({"rope_parameters": full, "rope_theta": 1_000_000.0, **outer})
         local_theta = positive_float(local, "rope_theta", 10000.0, "rope_parameters.sliding_attention.")
     else:
         theta, scaling = _rope({"rope_theta": 1_000_000.0, **raw})
@@ -360,7 +402,8 @@ def _optional_positive(raw: dict[str, Any], key: str) -> float | None:
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """Rope theta and scaling from either transformers v4 (rope_scaling) or v5 (rope_parameters) keys."""
+    """Rope theta and scaling from either transformers v4 (rope_scaling) or v5 (rope_parameters) keys, with
+    transformers' defaults (`original_max_position_embeddings`: the context, for llama3 and yarn)."""
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(raw.get(key) or {}, dict):
             raise ValueError(f'field "{key}" must be an object, got {_shown(raw[key])}')
@@ -369,15 +412,50 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type not in ROPE_TYPES:  # before reading fields another type may spell differently
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    context = positive_int(raw, "max_position_embeddings", 2048)
+    original = positive_int(params, "original_max_position_embeddings", context, "rope_scaling.")
+    if raw.get("original_max_position_embeddings") is not None:  # a top-level one wins, as in transformers
+        original = positive_int(raw, "original_max_position_embeddings")
+    if rope_type != "yarn":
+        return theta, RopeScaling(
+            rope_type=rope_type,
+            factor=positive_float(params, "factor", 1.0, "rope_scaling."),
+            low_freq_factor=positive_float(params, "low_freq_factor", 1.0, "rope_scaling."),
+            high_freq_factor=positive_float(params, "high_freq_factor", 4.0, "rope_scaling."),
+            original_max_position_embeddings=original,
+        )
+    factor = positive_float(params, "factor", context / original, "rope_scaling.")
+    attention = params.get("attention_factor")
+    if attention is None:  # the YaRN paper's, as transformers infers it
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and all_dim:
+            attention = yarn_mscale(factor, positive_float(params, "mscale", 1.0, "rope_scaling.")) / (
+                yarn_mscale(factor, positive_float(params, "mscale_all_dim", 1.0, "rope_scaling."))
+            )
+        else:
+            attention = yarn_mscale(factor)
     return theta, RopeScaling(
-        rope_type=rope_type,
-        factor=positive_float(params, "factor", 1.0, "rope_scaling."),
-        low_freq_factor=positive_float(params, "low_freq_factor", 1.0, "rope_scaling."),
-        high_freq_factor=positive_float(params, "high_freq_factor", 4.0, "rope_scaling."),
-        original_max_position_embeddings=positive_int(
-            params, "original_max_position_embeddings", 8192, "rope_scaling."
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=positive_float(params, "beta_fast", 32.0, "rope_scaling.")
+        if params.get("beta_fast")
+        else 32.0,
+        beta_slow=positive_float(params, "beta_slow", 1.0, "rope_scaling.")
+        if params.get("beta_slow")
+        else 1.0,
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=positive_float(
+            {"attention_factor": attention}, "attention_factor", 1.0, "rope_scaling."
         ),
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched `factor` times: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 _REQUIRED: Any = object()

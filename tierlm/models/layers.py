@@ -63,8 +63,10 @@ def _kernel_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse rotary frequencies, with linear, llama3 or a GGUF's per-frequency scaling applied."""
+    """Inverse rotary frequencies, with linear, llama3, yarn or a GGUF's per-frequency scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "yarn":
+        return _yarn_scale(head_dim, theta, scaling)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -87,6 +89,28 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_scale(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by the factor), those that turn more than beta_fast times are kept, and a linear ramp over the
+    dimensions between blends the two (as transformers' _compute_yarn_parameters and llama.cpp's rope_yarn)."""
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq, interpolated = 1.0 / powers, 1.0 / (s.factor * powers)
+    kept = 1 - ramp  # written as transformers writes it, so the frequencies agree to the bit
+    return interpolated * (1 - kept) + inv_freq * kept
+
+
 def rope_tables(
     cfg: ModelConfig,
     length: int,
@@ -102,7 +126,10 @@ def rope_tables(
     inv_freq = rope_inv_freq(cfg.head_dim, theta, scaling).to(device)
     t = torch.arange(length, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
-    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    if scaling.attention_factor != 1.0:  # yarn: scores grow by its square
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
 
 # The cached config's format: 2 since a GGUF's rope_freqs tensor is read (format 1 dropped it, so a cached
-# Llama 3.x config lacks its rotary scaling and must be rebuilt).
-CONFIG_FORMAT = 2
+# Llama 3.x config lacks its rotary scaling and must be rebuilt); 3 since its YaRN keys are read (format 2
+# dropped them).
+CONFIG_FORMAT = 3
 
 
 def cache_dir(gguf_path: Path) -> Path:
