@@ -195,6 +195,8 @@ def test_rows_that_only_set_a_temperature_are_not_filtered():
         ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),
+        ({"logit_bias": {100: 1.0, "100": -1.0}}, "token id 100 more than one bias"),
         ({"n": 0}, "n"),
         ({"logprobs": -1}, "logprobs"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
@@ -203,3 +205,33 @@ def test_rows_that_only_set_a_temperature_are_not_filtered():
 def test_bad_new_fields_raise_naming_them(overrides, field):
     with pytest.raises(ValueError, match=field):
         GenerationConfig(**overrides)
+
+
+def test_min_new_tokens_on_a_model_without_eos_suppresses_nothing(tmp_path):
+    """transformers adds no min-length processor without an EOS id; the -1 that stood in for it suppressed the
+    vocabulary's last token."""
+    from conftest import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "no-eos", "llama", {"eos_token_id": None})
+    model = tierlm.load(path, dtype="float32")
+    assert model.config.eos_token_ids == ()
+    bias = {319: 100.0}  # the last token of the vocabulary, made certain
+    plain = model.generate(PROMPT, max_new_tokens=4, logit_bias=bias).token_ids[0]
+    assert plain == [319] * 4
+    assert model.generate(PROMPT, max_new_tokens=4, min_new_tokens=3, logit_bias=bias).token_ids[0] == plain
+
+
+def test_top_p_cut_rounds_like_transformers():
+    """Probabilities 0.1 and 0.9 at top_p 0.9: transformers compares with 1 - 0.9 taken in double and rounded
+    once (0.1f) and keeps both; 1 - 0.9f in float32 (0.10000002) dropped the first."""
+    from transformers import TopPLogitsWarper
+
+    logits = torch.tensor([[-2.3025849, -0.1053605]])
+    expected = TopPLogitsWarper(0.9)(None, logits.clone())
+    assert not expected.isinf().any()
+    sampler = Sampler(1, 2, torch.tensor([], dtype=torch.long), "cpu")
+    sampler.set_row(0, GenerationConfig(do_sample=True, top_p=0.9), [0])
+    ones = torch.ones(1, 1)
+    assert torch.equal(
+        warp_rows(logits, ones, torch.zeros(1, 1, dtype=torch.long), sampler.top_p, 0 * ones), expected
+    )

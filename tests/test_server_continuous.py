@@ -300,6 +300,7 @@ BAD = [
     (COMPLETIONS, {"top_k": -2}, "top_k"),
     (COMPLETIONS, {"min_p": 1.0}, "min_p"),
     (CHAT, {"logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # str.isdigit() takes it, int() does not: was a 500
     (CHAT, {"logit_bias": {"99999": 1}}, "logit_bias"),
     (CHAT, {"logit_bias": {"5": 101}}, "logit_bias.5"),
     (CHAT, {"logit_bias": [1, 2]}, "logit_bias"),

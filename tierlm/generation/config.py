@@ -79,13 +79,16 @@ def _normalize_bias(value: Any) -> tuple[tuple[int, float], ...]:
             sorted(
                 (int(k), v)
                 for k, v in pairs
-                if (_is_int(k) and k >= 0) or (isinstance(k, str) and k.isdigit())
+                if (_is_int(k) and k >= 0) or (isinstance(k, str) and k.isascii() and k.isdigit())
             )
         )
     except (TypeError, ValueError):
         raise ValueError(f"logit_bias must be {valid}, got {_describe(value)}") from None
     if len(out) != len(pairs) or not all(_in(v, -100, 100) and math.isfinite(v) for _, v in out):
         raise ValueError(f"logit_bias must be {valid}, got {value!r}")
+    twice = sorted({k for (k, _), (after, _) in zip(out, out[1:]) if k == after})
+    if twice:  # 100 and "100": which bias applies would depend on an indexed write's order
+        raise ValueError(f"logit_bias gives token id {twice[0]} more than one bias")
     return tuple((k, float(v)) for k, v in out)
 
 

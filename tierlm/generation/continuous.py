@@ -84,7 +84,7 @@ class SlotBatch:
         tok, cfg = model.tokenizer, model.config
         self.eos_ids = eos_token_ids(model, config)
         self.device = model.device
-        eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.device)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)  # may be empty: no EOS
         self.sampler = Sampler(slots, cfg.vocab_size, eos, self.device)
         self.sampler.grammar = GrammarMask(tok, slots, cfg.vocab_size, self.eos_ids)  # built on first use
         self.rows: list[Row | None] = [None] * slots

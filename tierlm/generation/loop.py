@@ -98,7 +98,8 @@ class Sampler:
         def full(value, dtype=torch.float32):
             return torch.full((rows, 1), value, dtype=dtype, device=device)
 
-        self.temperature, self.top_p, self.min_p = full(1.0), full(1.0), full(0.0)
+        self.temperature, self.min_p = full(1.0), full(0.0)
+        self.top_p = full(1.0, torch.float64)  # 1 - top_p rounds once, as transformers' float threshold does
         self.top_k = full(0, torch.long)
         self.repetition, self.presence, self.frequency = full(1.0), full(0.0), full(0.0)
         self.sampled = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -158,7 +159,7 @@ class Sampler:
             logits = apply_repetition_penalty_rows(logits, pick(self.seen), pick(self.repetition))
         if self.counts is not None:
             logits = apply_penalties(logits, pick(self.counts), pick(self.presence), pick(self.frequency))
-        if any(c.min_new_tokens for c in configs):  # EOS cannot end a row before its min_new_tokens
+        if self.eos.numel() and any(c.min_new_tokens for c in configs):  # no EOS before min_new_tokens
             early = (self.steps[index.cpu()] < self.min_new[index.cpu()]).to(logits.device)[:, None]
             logits = torch.where(early, suppress_tokens(logits, self.eos), logits)
         if self.grammar is not None:  # structured output: what a row's grammar forbids gets -inf

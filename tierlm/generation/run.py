@@ -277,7 +277,7 @@ class Generation:
             yield events
 
     def _sampler(self) -> Sampler:
-        eos = torch.tensor(self.eos_ids or (-1,), dtype=torch.long, device=self.batch.ids.device)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.batch.ids.device)  # may be empty
         b = self.batch.ids.shape[0]
         sampler = Sampler(b, self.model.config.vocab_size, eos, self.batch.ids.device)
         if any(c.response_format is not None for c in self.row_configs):

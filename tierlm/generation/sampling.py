@@ -156,7 +156,9 @@ def warp_rows(
     The vocabulary is sorted once, ascending, and only when some row filters by top-k or top-p: the k-th
     largest score is read from that order, and the scores top-k drops are the smallest, so masking them in
     place leaves the same values in the same order as sorting the filtered scores again, which top-p
-    reads. A sort of 49152 scores costs ~2 ms a row on a 2-core CPU (Zen 3), so two sorts made sampling
+    reads, up to the order of equal scores: where equal scores straddle the top-p cut, which of them stays
+    may differ from transformers' (whose second, unstable sort orders them its own way); the kept
+    probabilities are the same. A sort of 49152 scores costs ~2 ms a row on a 2-core CPU (Zen 3), so two sorts made sampling
     cost half of a 16-row decode step. Rows that only set a temperature (OpenAI's defaults) sort nothing:
     top_p 1 would only drop tokens whose probability is already exactly 0.
     """
@@ -170,7 +172,8 @@ def warp_rows(
         ascending, order = logits.sort(dim=-1)
         kth = ascending.gather(-1, (vocab - top_k).clamp(0, vocab - 1))
         ascending = ascending.masked_fill((top_k > 0) & (ascending < kth), _NEG_INF)
-        remove = ascending.isneginf() | (ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p)
+        tail = (1 - top_p.double()).float()  # 1 - 0.9 in double, then rounded: transformers' threshold
+        remove = ascending.isneginf() | (ascending.softmax(dim=-1).cumsum(dim=-1) <= tail)
         remove[..., -1:] = False  # the most likely token always stays
         logits = logits.masked_fill(remove.scatter(-1, order, remove), _NEG_INF)
     if floor:

@@ -124,7 +124,7 @@ def _remove_dead_builds(root: Path) -> None:
     """Build folders (<digest>.build-<pid>) of processes that are gone."""
     for path in root.glob("*.build-*"):
         pid = path.name.rpartition("-")[2]
-        if not pid.isdigit():
+        if not (pid.isascii() and pid.isdigit()):
             continue
         try:
             os.kill(int(pid), 0)

@@ -31,7 +31,7 @@ V = TypeVar("V")
 def _unit(name: str) -> str:
     """The placement unit holding a parameter: model.layers.N inside a layer, else its own module."""
     parts = name.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isascii() and parts[2].isdigit():
         return ".".join(parts[:3])
     return ".".join(parts[:-1]) or name
 
@@ -39,7 +39,7 @@ def _unit(name: str) -> str:
 def _order_key(name: str) -> tuple[int, int]:
     """Model order: embeddings, layers by index, other model modules, final norm, lm_head, the rest."""
     parts = name.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isascii() and parts[2].isdigit():
         return (1, int(parts[2]))
     ranks = {"model.embed_tokens": 0, "model.norm": 3}
     top = ".".join(parts[:2])

@@ -49,7 +49,7 @@ def checked_device(value: Any, what: str) -> str:
         return f"cuda:{text}"
     text = text.strip().lower() if isinstance(text, str) else ""
     match = _DEVICE_RE.fullmatch(text)
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return f"cuda:{int(text)}"
     if text == "disk" or (match and match[1] != "cuda" and match[2] in (None, "0")):
         return text.partition(":")[0]

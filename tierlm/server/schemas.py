@@ -100,7 +100,7 @@ class _Common(BaseModel):
         """logit_bias with its keys as token ids, each checked against the vocabulary."""
         out = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not (key.isdigit() and int(key) < vocab):
+            if not (key.isascii() and key.isdigit() and int(key) < vocab):
                 message = f"logit_bias keys must be token ids in [0, {vocab}), got {short_repr(key)}"
                 raise APIError(400, message, "logit_bias")
             out[int(key)] = bias
