@@ -325,7 +325,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param)
     (CHAT, {**GOOD, "n": 0}, "n"),
     (CHAT, {**GOOD, "stream": "yes"}, "stream"),
     (CHAT, {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
-    (CHAT, {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (CHAT, {**GOOD, "stop": [str(i) for i in range(17)]}, "stop"),  # up to 16 (lm_eval sends 5 or more)
     (CHAT, {**GOOD, "messages": []}, "messages"),
     (CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (CHAT, {**GOOD, "messages": [{"role": "user"}]}, "messages[0].content"),

@@ -83,6 +83,16 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(verbosity="low"), "verbosity"),
     (CHAT, chat_body(web_search_options={}), "web_search_options"),
     (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages[0].name"),
+    # vLLM's extensions at a value other than vLLM's default (they were accepted and ignored)
+    (CHAT, chat_body(include_stop_str_in_output=True), "include_stop_str_in_output"),
+    (CHAT, chat_body(skip_special_tokens=False), "skip_special_tokens"),
+    (CHAT, chat_body(stop_token_ids=[5]), "stop_token_ids"),
+    (CHAT, chat_body(structured_outputs={"json": {}}), "structured_outputs"),
+    (CHAT, chat_body(echo=True), "echo"),
+    (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # beside the generation prompt
+    (COMPLETIONS, completion_body(ignore_eos=True), "ignore_eos"),
+    (COMPLETIONS, completion_body(prompt_logprobs=1), "prompt_logprobs"),
+    (COMPLETIONS, completion_body(min_tokens=1), "min_tokens"),
 ]
 
 
@@ -112,6 +122,61 @@ def test_fields_at_their_default_or_without_effect_are_accepted(http):
     assert response.status_code == 200, response.text
     response = http.post(COMPLETIONS, json=completion_body(echo=False, best_of=1, suffix="", user="u-1"))
     assert response.status_code == 200, response.text
+    vllm_defaults = dict(  # what vLLM's clients send by default (each was a 400)
+        ignore_eos=False,
+        min_tokens=0,
+        use_beam_search=False,
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        stop_token_ids=[],
+    )
+    response = http.post(COMPLETIONS, json=completion_body(**vllm_defaults, stop=list("abcde")))  # 5 stops
+    assert response.status_code == 200, response.text
+    response = http.post(CHAT, json=chat_body(**vllm_defaults, add_generation_prompt=True, echo=False))
+    assert response.status_code == 200, response.text
+
+
+def test_a_chat_can_continue_its_final_message_as_vllm_and_transformers(http, small_dir):
+    """add_generation_prompt / continue_final_message reach the template (were fixed at true / false)."""
+    tok = tierlm.load(small_dir, dtype="float32").tokenizer
+    messages = [*MESSAGES, {"role": "assistant", "content": "Hello th"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    expected = tok.encode(text, add_special_tokens=False)
+    assert text.endswith("Hello th")
+    fields = dict(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    answer = http.post(CHAT, json=chat_body(**fields))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == len(expected)
+    tokenized = http.post("/tokenize", json={"model": NAME, **fields}).json()
+    assert tokenized["tokens"] == expected and tokenized["count"] == len(expected)
+
+
+def test_lm_eval_remote_tokenizer_reads_the_server(live, small_dir):
+    """lm-evaluation-harness's remote tokenizer (vLLM's /tokenizer_info, /tokenize, /detokenize): loglikelihood
+    tasks run against the server with no tokenizer folder of their own (a GGUF model has none)."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    tok = tierlm.load(small_dir, dtype="float32").tokenizer
+    url = f"{live.url}/v1/completions"
+    assert check_remote_tokenizer_support(url, auth_token=KEY)
+    remote = RemoteTokenizer(url, auth_token=KEY)
+    text = "Hello there <|im_end|> again"
+    assert remote.encode(text) == tok.encode(text, add_special_tokens=False)
+    assert remote.decode(tok.encode(text)) == tok.decode(tok.encode(text), skip_special_tokens=False)
+    assert remote.eos_token_id == tok.eos_token_ids[0]
+    assert remote.tokenizer_info["chat_template"] == tok.chat_template
+
+
+def test_tokenizer_endpoints_refuse_bad_input_naming_it(http):
+    check_error(http.post("/tokenize", json={"model": NAME}), 400, "prompt")
+    check_error(http.post("/tokenize", json={"prompt": "a", "model": "gpt-4"}), 404, "model")
+    check_error(http.post("/detokenize", json={"tokens": [99999]}), 400, "tokens")
+    check_error(http.post("/detokenize", json={"tokens": "12"}), 400, "tokens")
+
+
+def test_max_completion_tokens_past_the_context_is_named_in_the_error(http):
+    error = check_error(http.post(CHAT, json=chat_body(max_tokens=None, max_completion_tokens=10**6)), 400)
+    assert error["param"] == "max_completion_tokens" and "max_tokens" not in error["message"]
 
 
 # --- no 500s ------------------------------------------------------------------------------------------------
@@ -190,7 +255,7 @@ def test_unknown_model_is_404_model_not_found(http, path, body):
 def test_openapi_documents_openai_errors_instead_of_422(live):
     schema = httpx.get(f"{live.url}/openapi.json", trust_env=False).json()  # served without the key
     operations = [op for path in schema["paths"].values() for op in path.values()]
-    assert len(operations) == 6 and not [op for op in operations if "422" in op["responses"]]
+    assert len(operations) == 9 and not [op for op in operations if "422" in op["responses"]]
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     error_ref = {"$ref": "#/components/schemas/ErrorBody"}
     for path in (CHAT, COMPLETIONS):

@@ -1,4 +1,5 @@
-"""The endpoints: health and stats, the model list, completions and chat completions."""
+"""The endpoints: health and stats, the model list, completions and chat completions, and vLLM's tokenizer
+endpoints (/tokenize, /detokenize, /tokenizer_info)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ from tierlm.server.schemas import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    Detokenized,
+    DetokenizeRequest,
     ErrorBody,
     Health,
     ModelCard,
     ModelList,
+    Tokenized,
+    TokenizeRequest,
+    TokenizerInfo,
     _Common,
 )
 
@@ -136,6 +142,64 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
 
 
+def _template_text(tokenizer, messages, add_generation_prompt: bool, continue_final_message: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            [m.as_template_input() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except ValueError as err:
+        raise APIError(400, str(err), "messages") from err
+
+
+@router.post("/tokenize", response_model=None, responses=_documented(Tokenized, 400, 401, 404))
+async def tokenize(body: TokenizeRequest, http: HTTPRequest) -> dict:
+    """vLLM's: the token ids of a prompt (special tokens added unless add_special_tokens is false) or of chat
+    messages rendered by the model's template."""
+    state = _state(http)
+    if body.model is not None:
+        _check_model(state, body.model)
+    body.check()
+    tok = state.model.tokenizer
+    if body.messages is not None:
+        text = _template_text(tok, body.messages, body.add_generation_prompt, body.continue_final_message)
+        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = await asyncio.to_thread(tok.encode, body.prompt, add)
+    return {"count": len(ids), "max_model_len": state.context, "tokens": ids, "token_strs": None}
+
+
+@router.post("/detokenize", response_model=None, responses=_documented(Detokenized, 400, 401, 404))
+async def detokenize(body: DetokenizeRequest, http: HTTPRequest) -> dict:
+    """vLLM's: the text of token ids, special tokens included."""
+    state = _state(http)
+    if body.model is not None:
+        _check_model(state, body.model)
+    ids = _token_ids(state, body.tokens, "tokens")
+    return {"prompt": state.model.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+@router.get("/tokenizer_info", response_model=None, responses=_documented(TokenizerInfo, 401))
+async def tokenizer_info(http: HTTPRequest) -> dict:
+    """vLLM's: the special tokens' text and the chat template (lm-evaluation-harness's remote tokenizer)."""
+    state = _state(http)
+    tok = state.model.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+    return {
+        "tokenizer_class": "tierlm",
+        "eos_token": text((*tok.eos_token_ids, None)[0]),
+        "bos_token": text(tok.bos_token_id),
+        "pad_token": text(tok.pad_token_id),
+        "chat_template": tok.chat_template,
+        "model_max_length": state.context,
+    }
+
+
 @_generation_route("/v1/completions", Completion)
 async def completions(body: CompletionRequest, http: HTTPRequest):
     state = _checked_state(http, body)
@@ -152,7 +216,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
         rows.append(ids)
         texts.append(text)
     limits = [
-        _max_tokens(state, len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        _max_tokens(state, len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
         for ids in rows
     ]
     n = body.n or 1
@@ -175,7 +239,14 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state = _checked_state(http, body)
     ids = await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body)
-    max_tokens = _max_tokens(state, len(ids), body.requested_max_tokens, state.default_max_tokens, "messages")
+    max_tokens = _max_tokens(
+        state,
+        len(ids),
+        body.requested_max_tokens,
+        state.default_max_tokens,
+        "messages",
+        body.max_tokens_field,
+    )
     top = (body.top_logprobs or 0) if body.logprobs else None
     reply = _reply(state, body, chat=True, prompt_tokens=len(ids), choices=body.n or 1, top=top)
     return await _respond(state, http, body, [ids], [_config(state, body, max_tokens, top, None)], reply)
@@ -224,11 +295,7 @@ def _config(
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_input() for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as err:
-        raise APIError(400, str(err), "messages") from err
+    text = _template_text(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
     # the template writes its own special tokens; as transformers does, encode without adding more
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -254,7 +321,7 @@ def _token_ids(state: ServerState, ids: list[int], param: str = "prompt") -> lis
 
 
 def _max_tokens(
-    state: ServerState, prompt_tokens: int, requested: int | None, default: int, param: str
+    state: ServerState, prompt_tokens: int, requested: int | None, default: int, param: str, field: str
 ) -> int:
     """The request's max_tokens: what it asked for if prompt and answer fit the context, else an error."""
     room = state.context - prompt_tokens
@@ -271,10 +338,10 @@ def _max_tokens(
     if requested > room:
         message = (
             f"the model's context is {state.context} tokens, but the prompt has {prompt_tokens} and "
-            f"max_tokens asks for {requested} more ({prompt_tokens + requested} in all); "
-            f"use max_tokens <= {room}"
+            f"{field} asks for {requested} more ({prompt_tokens + requested} in all); "
+            f"use {field} <= {room}"
         )
-        raise APIError(400, message, "max_tokens", "context_length_exceeded")
+        raise APIError(400, message, field, "context_length_exceeded")
     return requested
 
 

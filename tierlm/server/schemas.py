@@ -12,21 +12,40 @@ from pydantic_core import PydanticCustomError
 from tierlm.generation.response_format import ResponseFormat, parse_response_format
 from tierlm.server.errors import APIError, short_repr
 
-MAX_STOPS = 4  # as OpenAI's API
+MAX_STOPS = 16  # OpenAI's API takes 4, vLLM any number; lm-evaluation-harness sends a task's stops and EOS
 NO_TOOLS = "is not supported: this server does not call tools"
 MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (chat) up to this
 MAX_N = 16  # choices per request (each takes a row of the batch)
-# Other servers' extensions to OpenAI's API this server does not implement: they would change the output,
-# so they are refused. top_k, min_p and repetition_penalty (as vLLM accepts them) are fields below.
-EXTENSIONS = (
-    "min_tokens",
-    "ignore_eos",
-    "use_beam_search",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+# vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
+# defaults, null aside): any other would change the output, so it is refused. top_k, min_p and
+# repetition_penalty are fields below; add_generation_prompt and continue_final_message are chat's fields.
+EXTENSIONS: dict[str, tuple] = {
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
+    "logits_processors": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "mm_processor_kwargs": (),
+}
 
 
 def _valid_unicode(text: str) -> str:
@@ -109,10 +128,12 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         """Reject values the server cannot honour rather than silently ignoring them."""
         refuse_unless_default(self, self.LIMITS)
-        for name in EXTENSIONS:
-            if (self.model_extra or {}).get(name) is not None:
+        for name, accepted in EXTENSIONS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
                 message = f"{name} is not supported (an extension of other servers to OpenAI's API)"
-                raise APIError(400, f"{message}, got {short_repr(self.model_extra[name])}", name)
+                allowed = f" except at {' or '.join(map(repr, accepted))}" if accepted else ""
+                raise APIError(400, f"{message}{allowed}, got {short_repr(value)}", name)
         self.stops()
         _ = self.parsed_response_format
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
@@ -207,6 +228,10 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM's: how the chat template ends the prompt (both true is an error, as in vLLM)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's echo of the last message: not supported, refused when true
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
@@ -231,6 +256,11 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must contain at least one message", "messages")
+        if self.echo:
+            raise APIError(400, "echo is not supported on chat completions, got true", "echo")
+        if self.add_generation_prompt and self.continue_final_message:
+            message = "continue_final_message continues the last message: set add_generation_prompt to false"
+            raise APIError(400, message, "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for i, message in enumerate(self.messages):
@@ -245,6 +275,38 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field requested_max_tokens came from, for errors."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template (lm-evaluation-harness's
+    remote tokenizer reads the prompt form)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        for i, message in enumerate(self.messages or ()):
+            refuse_unless_default(message, message.LIMITS, f"messages[{i}].")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- responses: documented in /openapi.json, built as plain dicts by responses.py ------------------------------
@@ -342,6 +404,26 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
 
 
 class Health(BaseModel):
