@@ -120,6 +120,7 @@ def test_sixteen_concurrent_mixed_streams_each_equal_their_solo_runs(live, tiny_
         assert text == solo, fields
     stats = live.stats()
     assert stats["max_batch_size_seen"] > 1 and stats["joined_running_batch"] > joined
+    assert stats["max_batch_size_seen"] <= stats["max_batch_size"]  # rows in use, not n of running requests
 
 
 def test_compiled_continuous_batch_equals_eager(tiny_dir):

@@ -5,6 +5,15 @@ from __future__ import annotations
 from tierlm.generation.continuous import Sequence, SlotBatch, Update
 from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler, logger
 
+# The continuous batch's counters /stats reports (SlotBatch.stats).
+BATCH_STATS = (
+    "joined_running_batch",
+    "left_running_batch",
+    "decode_steps",
+    "prefill_chunks",
+    "prefills_together",
+)
+
 
 class ContinuousScheduler(Scheduler):
     """A Scheduler whose worker keeps one batch of `max_batch_size` rows (padded to a power of two when the
@@ -20,6 +29,7 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, model, *, default_max_tokens: int = 1024, **kwargs) -> None:
         super().__init__(model, **kwargs)
+        self._stats.update(dict.fromkeys(BATCH_STATS, 0))  # /stats has every key before the first request
         self.default_max_tokens = default_max_tokens
         self._batch: SlotBatch | None = None
 
@@ -77,9 +87,8 @@ class ContinuousScheduler(Scheduler):
                     continue
                 self._running.append(r)
                 self._stats["batches"] += 1 if not self._running[:-1] else 0
-                self._stats["max_batch_size_seen"] = max(
-                    self._stats["max_batch_size_seen"], sum(q.n for q in self._running)
-                )
+                busy = sum(row is not None for row in batch.rows)  # a finished choice's row is free again
+                self._stats["max_batch_size_seen"] = max(self._stats["max_batch_size_seen"], busy)
 
     def _dispatch(self, updates: list[Update]) -> None:
         for u in updates:
@@ -119,13 +128,7 @@ class ContinuousScheduler(Scheduler):
 
     def _record_stats(self, batch: SlotBatch) -> None:
         with self._cond:
-            for key in (
-                "joined_running_batch",
-                "left_running_batch",
-                "decode_steps",
-                "prefill_chunks",
-                "prefills_together",
-            ):
+            for key in BATCH_STATS:
                 self._stats[key] = batch.stats[key]
             if batch.steps:  # rows -> "loaded package <key> (...)", "built package ...", or JIT
                 self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
