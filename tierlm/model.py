@@ -174,10 +174,10 @@ def load(
     execution_device: run the map's accelerator entries on this device instead (e.g. "cpu", to
     exercise cpu offload without an accelerator).
     quantize: "int8" (per channel) or "int4" (groups of `group_size`; default 32 when the GGUF source is
-    Q4_0/Q4_1, whose blocks then carry over exactly, else 64) weight-only quantization of every
+    Q4_0/Q4_1, the files' block width, else 64) weight-only quantization of every
     projection and the LM head (int4 keeps the head int8); None: float weights; "auto" (the default):
     when `dtype` is "auto" and the forward runs on the CPU, "int4" for a GGUF whose projections are
-    Q4_0/Q4_1 blocks and "int8" for one whose projections are other quantized blocks (K-quants, Q5_0,
+    Q4_1 blocks and "int8" for one whose projections are other quantized blocks (Q4_0, K-quants, Q5_0,
     Q8_0 ...), each where this CPU decodes them faster (`tierlm.cpu`), else None. group_size is int4's:
     an error with "int8" or None.
 

@@ -168,9 +168,9 @@ def _quantization(
     quantize, group_size, dtype, path: Path, device: torch.device, device_map, max_memory, execution_device
 ) -> Quantization | None:
     """What `quantize` makes of the projections. "auto" (the default), when the dtype is left to tierlm and
-    the forward runs on the CPU: a GGUF's Q4_0/Q4_1 projections stay packed (int4 in the file's own groups
-    of 32, the LM head int8) where this CPU decodes them faster packed (`cpu.keeps_q4_packed`); a GGUF's
-    other quantized projections (K-quants, Q5_0, Q8_0 ...) become int8 where this CPU decodes those faster
+    the forward runs on the CPU: a GGUF's Q4_1 projections stay packed (int4 in the file's own groups of
+    32, the LM head int8) where this CPU decodes them faster packed (`cpu.keeps_q4_packed`); a GGUF's
+    other quantized projections (Q4_0, K-quants, Q5_0, Q8_0 ...) become int8 where this CPU decodes those faster
     (`cpu.keeps_quantized_as_int8`); otherwise every weight is float. None: float; "int8" / "int4": as
     asked."""
     types = functools.cache(lambda: gguf_cache.projection_types(path))  # at most one read of the header
@@ -189,7 +189,7 @@ def _quantization(
         quantize = None
         if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
             features = cpu.detect()
-            if features.keeps_q4_packed and gguf_cache.q4_blocks(types()):
+            if features.keeps_q4_packed and gguf_cache.q4_1_blocks(types()):
                 quantize = "int4"
             elif features.keeps_quantized_as_int8 and gguf_cache.quantized_blocks(types()):
                 quantize = "int8"

@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize",
         choices=("auto", "none", "int8", "int4"),
-        help="weight-only quantization of the projections (default auto: a GGUF's Q4_0/Q4_1 blocks stay "
+        help="weight-only quantization of the projections (default auto: a GGUF's Q4_1 blocks stay "
         "packed as int4, its other quantized blocks become int8, where this CPU decodes them faster; "
         "none: float weights)",
     )
