@@ -165,3 +165,22 @@ def test_gguf_rope_scaling_tierlm_does_not_apply_is_an_error_naming_it(key, valu
 def test_unsupported_rope_types_are_named():
     with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
         ModelConfig.from_hf_dict(tiny_config("llama", {"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_a_gguf_whose_rotary_covers_part_of_the_head_is_an_error():
+    """It loaded with full rotary (rope.dimension_count was read only where attention.key_length was absent,
+    and then as the head size: a misleading shape error). llama.cpp refuses such a Llama file too."""
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": 2,
+        "llama.embedding_length": 256,
+        "llama.attention.head_count": 4,
+        "llama.feed_forward_length": 128,
+        "llama.vocab_size": 320,
+        "llama.rope.dimension_count": 32,
+    }
+    with pytest.raises(ValueError, match="rope.dimension_count 32 rotates part of a 64-wide head"):
+        ModelConfig.from_gguf_metadata(meta)
+    with pytest.raises(ValueError, match="rope.dimension_count 32 rotates part of a 64-wide head"):
+        ModelConfig.from_gguf_metadata({**meta, "llama.attention.key_length": 64})
+    assert ModelConfig.from_gguf_metadata({**meta, "llama.rope.dimension_count": 64}).head_dim == 64

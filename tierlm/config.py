@@ -213,7 +213,13 @@ class ModelConfig:
         num_heads = count("attention.head_count")
         vocab = keys.get("vocab_size") or n_vocab_tensor or len(meta.get("tokenizer.ggml.tokens", ()))
         scaling = _gguf_rope_scaling(keys, prefix)
-        head_dim = count("attention.key_length", count("rope.dimension_count", hidden // num_heads))
+        head_dim = count("attention.key_length", hidden // num_heads)  # as llama.cpp reads it
+        rotated = count("rope.dimension_count", head_dim)
+        if rotated != head_dim:  # llama.cpp refuses such a file for these architectures too
+            raise ValueError(
+                f"{prefix}rope.dimension_count {rotated} rotates part of a {head_dim}-wide head "
+                "(partial rotary), which these architectures do not have"
+            )
         if rope_freqs is not None:
             if len(rope_freqs) != head_dim // 2:
                 raise ValueError(
