@@ -277,3 +277,18 @@ def test_decision_reads_the_resolved_execution_device():
     assert not forced.compile and forced.device == "cpu"
     assert forced.reasons == ("execution device 'cpu' compiles only when compile_config is set",)
     assert decide(on_gpu, "static", STATIC.replace(compile_config=CompileConfig()), device="cpu").compile
+
+
+@pytest.mark.parametrize("folder", ["with space", "quote's", "back\\slash"])
+def test_a_cache_path_inductor_cannot_compile_in_is_one_clear_error(tmp_path, monkeypatch, folder):
+    """inductor splits its g++ commands as a shell would: such a path failed every compile with a bare
+    'C++ compile error' (or shlex's 'No closing quotation')."""
+    from tierlm.compile import use_inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")  # restored after the test, set or not before it
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / folder))
+    with pytest.raises(ValueError, match="cannot compile in .*set TIERLM_CACHE_DIR"):
+        use_inductor_cache()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "plain"))  # the user's own wins
+    assert use_inductor_cache() == str(tmp_path / "plain")

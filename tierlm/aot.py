@@ -37,7 +37,7 @@ import torch
 
 from tierlm import cpu, kernels
 from tierlm.cache import StaticCache
-from tierlm.compile import CompileConfig
+from tierlm.compile import CompileConfig, use_inductor_cache
 from tierlm.generation.slots import SlotCache
 from tierlm.step_export import StepModule, state_tensors, step_kind
 from tierlm.weights.files import commit_folder, file_identity, identity_key
@@ -146,7 +146,7 @@ def package_key(model, batch: int, cache_len: int, cc: CompileConfig, step: str 
     """Everything that changes a package's code, as a JSON-able dict (its digest names the folder).
     step: "static" (a StaticCache's step) or "slots" (continuous batching's, over a SlotCache)."""
     device = str(model.device)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))  # persistent, per user
+    use_inductor_cache()
     config = dataclasses.asdict(cc)
     config["options"] = sorted((k, repr(v)) for k, v in (cc.options or {}).items())
     key = {
@@ -263,7 +263,7 @@ def build_lock(root: Path) -> Iterator[None]:
 def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, root: Path) -> Package:
     """Export and compile the decode step for `cache`'s shape into the store (under its lock)."""
     device = str(model.device)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    use_inductor_cache()
     folder = root / digest(key)
     tmp = temporary(folder)
     remove_stale_temporaries(root)

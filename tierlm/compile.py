@@ -7,12 +7,29 @@ generation config (never at a loaded model), so any placement can be reasoned ab
 from __future__ import annotations
 
 import difflib
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tierlm.config import cache_root
 from tierlm.placement.device_map import execution_device, format_modules, offloaded_modules
+
+
+def use_inductor_cache() -> str:
+    """Point torch inductor at tierlm's persistent cache folder (unless TORCHINDUCTOR_CACHE_DIR is set), so a
+    second process starts warm, and check that inductor can compile there: it splits its C++ compiler
+    commands as a shell would, so whitespace, quotes or a backslash in the path failed every compile with a
+    bare "C++ compile error" (or "No closing quotation")."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    folder = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if any(c.isspace() or c in "'\"\\" for c in folder):
+        raise ValueError(
+            f"torch inductor cannot compile in {folder!r}: its compiler commands break at whitespace, quotes "
+            "and backslashes in that path; set TIERLM_CACHE_DIR (or TORCHINDUCTOR_CACHE_DIR) to one without"
+        )
+    return folder
 
 
 class CompileSkippedWarning(UserWarning):

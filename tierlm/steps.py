@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 import threading
 import time
 import types
@@ -21,10 +20,9 @@ import torch
 
 from tierlm import cpu
 from tierlm.cache import mark_static
-from tierlm.compile import CompileConfig, streamed_config
+from tierlm.compile import CompileConfig, streamed_config, use_inductor_cache
 from tierlm.models.decoder import run_layer
 from tierlm.placement.offload import canonical_strides
-from tierlm.weights import gguf_cache
 
 log = logging.getLogger("tierlm")
 
@@ -79,8 +77,7 @@ class CompiledSteps(Mapping):
 def build(model, cache, cc: CompileConfig) -> CompiledStep:
     """The decode step over `cache` compiled with torch.compile: the whole step (scope "model") or one
     layer body run for every layer (scope "layer"), with streamed weights fetched outside it."""
-    # A persistent per-user inductor cache, so a second process starts warm.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(gguf_cache.cache_root() / "inductor"))
+    use_inductor_cache()
     device, decoder, streamer = model.device, model.decoder, model.streamer
     ones = torch.ones(cache.batch, 1, dtype=torch.bool, device=device)
     kwargs = cc.compile_kwargs(str(device))
