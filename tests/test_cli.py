@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -249,3 +250,46 @@ def test_bench_passes_its_arguments_through_in_order(capsys):
         main(["bench", "--runs", "0", "--new-tokens", "4"])
     assert exit_info.value.code == 2
     assert "--runs >= 1" in capsys.readouterr().err
+
+
+def test_chat_in_a_terminal_reads_a_message_longer_than_its_line_limit():
+    """A terminal's line discipline cuts a line at 4095 bytes: 9000 words (past the 8192-token context) came
+    through as 2047, and were answered, without a word. With readline the whole message arrives."""
+    import pty
+    import select
+    import threading
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: tierlm chat on the terminal
+        os.environ["PYTHONWARNINGS"] = "ignore"
+        os.execv(sys.executable, [*TIERLM, "chat", "--max-new-tokens", "1"])
+    out = bytearray()
+    done = threading.Event()
+
+    def drain() -> None:  # readline echoes every byte: read it, or the child blocks writing
+        while not done.is_set():
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out.extend(os.read(fd, 65536))
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while b"> " not in out and time.monotonic() < deadline:  # loaded: the prompt
+            time.sleep(0.2)
+        message = ("a " * 9000).encode() + b"\r"
+        for i in range(0, len(message), 512):
+            os.write(fd, message[i : i + 512])
+            time.sleep(0.01)
+        while b"exceeds the model's context" not in out and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.write(fd, b"/exit\r")
+        os.waitpid(pid, 0)
+    finally:
+        done.set()
+        reader.join()
+        os.close(fd)
+    assert b"exceeds the model's context of 8192" in out, bytes(out[-400:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -90,6 +91,9 @@ def cmd_chat(args) -> int:
     model = load_model(args)
     use_packages(model, config)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    if sys.stdin.isatty():  # input() then edits lines and reads past a terminal's 4095-byte line limit
+        with contextlib.suppress(ImportError):  # (it cut a longer message there without a word)
+            import readline  # noqa: F401
     while True:
         try:
             line = input("> ")
