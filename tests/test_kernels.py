@@ -313,7 +313,7 @@ def test_decode_attention_bad_inputs_are_one_clear_error(ops):
 
 
 def rope_tables(b, d, dtype, gen):
-    """cos and the signed sin of layers.apply_rope for one position per row: [b, 1, 1, d]."""
+    """cos and the signed sin of rotary.apply_rope for one position per row: [b, 1, 1, d]."""
     angle = torch.rand(b, 1, 1, d // 2, generator=gen) * 100
     cos = torch.cat([angle.cos(), angle.cos()], -1)
     return cos.to(dtype), torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)
@@ -337,10 +337,10 @@ def test_decode_rope_attention_is_rotary_then_cache_write_then_attention(
 ):
     """The fused decode step against its parts: q, k and v as views of one q/k/v product (strided, as a fused
     projection gives them); k rotated and v written at `slot` of a larger cache, every other slot untouched;
-    the rotated k equal to layers.apply_rope's in fp32, rounded once to the cache's dtype (in fp32 bit for bit
+    the rotated k equal to rotary.apply_rope's in fp32, rounded once to the cache's dtype (in fp32 bit for bit
     aten's ops); the output the exact attention of the rotated q over the first `length` slots (the mask's),
     within the tolerance of test_decode_attention_matches_the_exact_attention."""
-    from tierlm.models.layers import apply_rope
+    from tierlm.models.rotary import apply_rope
 
     gen = torch.Generator().manual_seed(b * 100 + d)
     qkv = torch.randn(b, 1, (h + 2 * kv) * d, generator=gen).to(dtype)

@@ -13,7 +13,7 @@ from test_gguf_llama import to_gguf
 
 import tierlm
 from tierlm.config import ModelConfig
-from tierlm.models.layers import rope_inv_freq
+from tierlm.models.rotary import rope_inv_freq
 from tierlm.weights import gguf_cache
 
 # A context stretched 4x from 16 positions: the prompts below run well past the original context, where

@@ -16,8 +16,8 @@ from tierlm.models.layers import (
     RMSNorm,
     fuse_projections,
     kernel_heads,
-    rope_tables,
 )
+from tierlm.models.rotary import rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
 
