@@ -159,7 +159,8 @@ def test_package_loaded_in_a_new_process_matches_jit_without_compiling(built, ti
     out, err = finish(tierlm_cli(*args, env=cli_env(store), spy=True))
     seen = json.loads(err.split("COMPILES ", 1)[1])
     assert seen == {"calls": [], "frames": 0, "graphs": 0}, err  # nothing exported, traced or compiled
-    assert "tierlm: compiled step: loaded package" in err and ", built 20" in err  # --explain says which
+    assert "tierlm: compiled step: loaded package" in err and ", built 20" in err  # which package, when built
+    assert err.count("compiled step:") == 1, err  # said once, not again by --explain
     result = json.loads(out)
     assert result["stats"]["compiled"] is True
     assert result["token_ids"] == jit_tokens  # fp32: exactly the JIT-compiled step's tokens

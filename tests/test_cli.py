@@ -15,8 +15,8 @@ from tierlm import cpu
 TIERLM = [sys.executable, "-m", "tierlm.cli"]
 
 
-def tierlm(*args, stdin: str | None = None, timeout: int = 300):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def tierlm(*args, stdin: str | None = None, timeout: int = 300, warnings: str = "ignore", **env_vars):
+    env = {**os.environ, "PYTHONWARNINGS": warnings, **env_vars}
     return subprocess.run(
         [*TIERLM, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -56,8 +56,14 @@ def test_generate_explain_prints_the_compile_decision():
         "--device-map",
         '{"": "cpu", "model.layers.29": "disk"}',
         "Hello",
+        warnings="default",
     )
     assert proc.returncode == 0, proc.stderr
+    assert (  # the warning for scope "model" under offload is one line, not Python's file:line and source
+        "tierlm: warning: compile_config has scope 'model', but the whole decode step cannot be compiled "
+        "while weights stream (model.layers.29 is offloaded to disk)" in proc.stderr
+    )
+    assert ".py:" not in proc.stderr and "self.decision" not in proc.stderr, proc.stderr
     assert (  # --compile under offload compiles the layer body, and says what streams around it
         "compile: layer body on cpu (30 layers; model.layers.29 streams from disk); whole step: no "
         "(model.layers.29 is offloaded to disk; scope 'model' fell back to 'layer')" in proc.stderr

@@ -3,13 +3,16 @@ and never twice."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import warnings
 import weakref
 
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config
 from agreement import assert_greedy_agrees, greedy
 from conftest import SEED_MAP
 from torch._dynamo.utils import counters
@@ -35,19 +38,31 @@ def compiled(tiny_checkpoints):
     counters.clear()
     model = tierlm.load(tiny_checkpoints["llama"], dtype="float32")
     eager = run(model)
-    result = run(model, compile_config=CompileConfig())
-    return model, eager, result
+    cold = torch._inductor.config.patch(fx_graph_cache=False, autotune_local_cache=False)  # so it autotunes
+    with (
+        cold,
+        contextlib.redirect_stderr(io.StringIO()) as stderr,
+    ):  # inductor writes its tables to sys.stderr
+        result = run(model, compile_config=CompileConfig())
+    return model, eager, result, stderr.getvalue()
 
 
 def test_resident_static_cache_compiles_and_matches_eager(compiled):
-    model, eager, result = compiled
+    model, eager, result, _ = compiled
     assert result.stats.compile.compile and result.stats.compile.reasons == ()
     assert counters["stats"]["unique_graphs"] == 1  # one compiled frame: the decode step
     assert result.token_ids == eager.token_ids
 
 
+def test_max_autotune_prints_no_tables(compiled):
+    """CompileConfig()'s max-autotune on a CPU benchmarks each product's kernels; tierlm keeps inductor from
+    printing a table per product (and its choice statistics) under its own 'compiling' line."""
+    *_, stderr = compiled
+    assert "AUTOTUNE" not in stderr and "Autotune Choices Stats" not in stderr, stderr
+
+
 def test_no_recompilation_across_prompts_and_lengths(compiled):
-    model, _, _ = compiled
+    model, *_ = compiled
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         a = run(model, LONGER, n=31, compile_config=CompileConfig())

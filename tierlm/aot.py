@@ -317,9 +317,6 @@ class PackagedStep:
     def __call__(self, tokens, positions, slots, length):
         return self.run([tokens, positions, slots, *self.state])[0]
 
-    def explain(self) -> str:
-        return f"compiled step: {self.how}"
-
     def progress(self, i: int, n: int, seconds: float) -> str:
         """'[i+1/n] batch 2, cache 512, float32: <path> (12.3 MB, 0.4 s)', `tierlm compile`'s line."""
         size = self.package.path.stat().st_size

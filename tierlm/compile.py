@@ -53,6 +53,9 @@ CPU_WRAPPER_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 # A layer body's wrapper runs once per layer per step and is small: it keeps inductor's one -O3 build.
 CPU_WHOLE_STEP_CPP_OPTIONS = {"cpp_wrapper_build_separate": True}
 
+# max-autotune writes a table per tuned product to stderr (20-40 lines a step); tierlm says it is compiling.
+QUIET_AUTOTUNE_OPTIONS = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
 
 @dataclass(frozen=True)
 class CompileConfig:
@@ -152,6 +155,9 @@ class CompileConfig:
             if options["cpp_wrapper"] and self.scope == "model":
                 cpu_options.update(CPU_WHOLE_STEP_CPP_OPTIONS)
             options.update({k: v for k, v in cpu_options.items() if hasattr(torch._inductor.config, k)})
+        options.update(
+            {k: v for k, v in QUIET_AUTOTUNE_OPTIONS.items() if hasattr(torch._inductor.config, k)}
+        )
         options.update(self.options or {})
         kwargs["options"] = options
         return kwargs

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from tierlm.cli.args import build_parser
-from tierlm.cli.common import show_library_progress
+from tierlm.cli.common import show_library_progress, show_warnings_as_lines
 from tierlm.cli.generate import cmd_chat, cmd_generate
 from tierlm.cli.serve import cmd_compile, cmd_serve
 from tierlm.cli.tools import cmd_bench, cmd_cache, cmd_plan
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     show_library_progress()
+    show_warnings_as_lines()
     try:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:

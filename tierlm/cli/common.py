@@ -26,6 +26,19 @@ def show_library_progress() -> None:
     logger.setLevel(logging.INFO)
 
 
+def show_warnings_as_lines() -> None:
+    """Warnings as one `tierlm: warning: ...` line on stderr, not Python's file:line and source line."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        lines = str(message).strip().splitlines()
+        print(f"tierlm: warning: {lines[0] if lines else category.__name__}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    # inductor's max-autotune reads a storage the deprecated way; nothing a user of tierlm can change
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+
+
 def load_model(args):
     import tierlm
 

@@ -37,9 +37,7 @@ def cmd_generate(args) -> int:
         from tierlm import cpu
 
         status(f"tierlm: cpu: {cpu.detect().describe()}")
-        status(f"tierlm: {gen.decision.explain()}")
-        if hasattr(gen.step, "explain"):  # a step loaded from a package says which one
-            status(f"tierlm: {gen.step.explain()}")
+        status(f"tierlm: {gen.decision.explain()}")  # a package step said which one as it loaded
     for _row, delta, _finished, _reason in gen.stream():
         if not args.json:
             sys.stdout.write(delta)
