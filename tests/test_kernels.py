@@ -478,3 +478,26 @@ def test_the_cache_listing_names_built_kernels(tmp_path):
     assert (entry.kind, entry.nbytes) == ("kernels", 3000) and "CPU kernels" in entry.about
     removed, kept = clear_cache(tmp_path)
     assert removed == [entry] and not kept and not (tmp_path / "kernels").exists()
+
+
+def test_a_library_cut_short_on_disk_is_built_again(ops, tmp_path):
+    """A built library that is shorter on disk than its build wrote it (a full disk, a copy cut short) is
+    built again: loading it would kill every later process with SIGBUS."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = kernels._folder(kernels._flags())
+    shutil.copytree(built, tmp_path / built.name)
+    library = tmp_path / built.name / f"{kernels.LIBRARY}.so"
+    size = library.stat().st_size
+    os.truncate(library, size // 2)
+    script = "from tierlm import kernels; print(kernels.loaded() is not None)"
+    env = {**os.environ, "TIERLM_KERNELS_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+    assert "building the int4/int8 CPU kernels" in proc.stderr
+    assert kernels._intact(library) and library.stat().st_size > size // 2

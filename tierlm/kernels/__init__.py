@@ -53,6 +53,15 @@ def _folder(flags: list[str]) -> Path:
     return Path(os.environ.get("TIERLM_KERNELS_DIR") or cache_root() / "kernels") / digest
 
 
+def _flags() -> list[str]:
+    import torch
+
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
+        flags[4:4] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
+    return flags
+
+
 @functools.cache
 def _build():
     """Load the built library, building it first if this machine has none. A build runs in a folder of this
@@ -60,12 +69,10 @@ def _build():
     leave a half-written library or a lock that later processes would wait on."""
     import torch
 
-    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
-        flags[4:4] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
+    flags = _flags()
     folder = _folder(flags)
     library = folder / f"{LIBRARY}.so"
-    if not library.exists():
+    if not _intact(library):  # never built, or cut short on disk (loading that one dies of SIGBUS)
         from torch.utils.cpp_extension import load
 
         try:  # the ninja of the `ninja` package (a dependency), where the system has none on PATH
@@ -90,7 +97,9 @@ def _build():
                 is_python_module=False,  # loads it into this process
                 verbose=False,
             )
-            os.replace(build / f"{LIBRARY}.so", library)
+            built = build / f"{LIBRARY}.so"
+            _digest_file(library).write_text(_sha256(built))  # first: a library is never newer than it
+            os.replace(built, library)
         finally:
             shutil.rmtree(build, ignore_errors=True)
     else:
@@ -118,6 +127,22 @@ def _build():
         return q.new_empty(q.shape)
 
     return ops
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """The library is there and has the bytes its build wrote (its digest, written beside it)."""
+    try:
+        return _digest_file(library).read_text().strip() == _sha256(library)
+    except OSError:
+        return False
 
 
 def _remove_dead_builds(root: Path) -> None:
