@@ -36,6 +36,8 @@ def write_tiny_gguf(path):
         (writer.add_embedding_length, 8),
         (writer.add_feed_forward_length, 16),
         (writer.add_head_count, 2),
+        (writer.add_context_length, 64),
+        (writer.add_layer_norm_rms_eps, 1e-5),
     ]:
         add(value)
     writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
@@ -194,3 +196,45 @@ def test_a_killed_but_unreaped_writer_counts_as_gone(tmp_path):
         time.sleep(0.05)
     assert remove_stale_temporaries(tmp_path) == [Path(path)]
     proc.wait()
+
+
+def test_a_folder_another_process_committed_meanwhile_stays_and_this_ones_goes(tmp_path):
+    """Two processes that build the same offload folder at once: the second to finish keeps the first's folder
+    (a process may be reading it by path) instead of renaming it away, and removes its own copy."""
+    from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
+
+    folder, want = tmp_path / "offload" / "key", {"source": "model", "dtype": "torch.float32"}
+    ours = fresh_tmp_folder(folder)
+    (ours / "weights.safetensors").write_bytes(b"x" * 64)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "weights.safetensors").write_bytes(b"x" * 64)
+    commit_folder(theirs, folder, want)  # the other process finished first
+    inode = folder.stat().st_ino
+    commit_folder(ours, folder, want)
+    assert folder.stat().st_ino == inode and folder_matches(folder, want)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["key"]  # no temporary left beside it
+
+
+def test_a_write_that_fills_the_disk_names_the_folder_and_leaves_no_temporary(tiny_checkpoints, tmp_path):
+    """A write that fails without naming a file (a full disk; here a file size limit, the same for the
+    writer) is one error naming the offload folder, and the half-written folder is removed."""
+    import resource
+
+    script = textwrap.dedent(
+        f"""
+        import resource, sys, tierlm
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        try:
+            tierlm.load({str(tiny_checkpoints["llama"])!r}, dtype="float32", device_map={{"": "disk"}},
+                        offload_folder={str(tmp_path / "off")!r}, quantize="int8")
+        except OSError as e:
+            print(e)
+        """
+    )
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "File too large" in proc.stdout and f"'{tmp_path / 'off'}" in proc.stdout, proc.stdout
+    leftovers = [p for p in (tmp_path / "off").rglob("*") if p.name.startswith(".")]
+    assert leftovers == []

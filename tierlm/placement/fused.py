@@ -28,6 +28,7 @@ from tierlm.placement.offload import Unit, _assign
 from tierlm.placement.quantized import _join, _mmap_all, _tensors_of, write_aligned
 from tierlm.weights.files import (
     commit_folder,
+    filling,
     folder_matches,
     fresh_tmp_folder,
     identity_key,
@@ -48,11 +49,12 @@ def fuse_units(decoder: nn.Module, units: list[Unit], table: tuple, root: Path, 
         reuse = folder_matches(folder, want)
         tmp = None if reuse else fresh_tmp_folder(folder)
         out = []
-        for unit in units:
-            fused = _fuse_unit(
-                decoder, unit, table, tmp if tmp is not None else folder, write=tmp is not None, done=done
-            )
-            out.append(fused or unit)
+        with filling(tmp, folder):
+            for unit in units:
+                fused = _fuse_unit(
+                    decoder, unit, table, tmp if tmp is not None else folder, write=tmp is not None, done=done
+                )
+                out.append(fused or unit)
         if tmp is not None:
             commit_folder(tmp, folder, want)
     except (OSError, ValueError) as e:

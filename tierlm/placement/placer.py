@@ -25,6 +25,7 @@ from tierlm.weights.entry_names import offload_entry
 from tierlm.weights.files import (
     commit_folder,
     file_identity,
+    filling,
     folder_matches,
     fresh_tmp_folder,
     identity_key,
@@ -280,6 +281,7 @@ def ensure_offload_folder(
     shapes = {
         n: tuple(reversed(checkpoint.shape(n))) if n in transposed else checkpoint.shape(n) for n in names
     }
-    write_safetensors(tmp / "weights.safetensors", shapes, dtype, ((n, stored(n)) for n in names))
+    with filling(tmp, folder):
+        write_safetensors(tmp / "weights.safetensors", shapes, dtype, ((n, stored(n)) for n in names))
     commit_folder(tmp, folder, want)
     return folder

@@ -16,7 +16,7 @@ from torch import nn
 
 from tierlm.placement.offload import Unit, _assign
 from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantizes
-from tierlm.weights.files import commit_folder, folder_matches, fresh_tmp_folder
+from tierlm.weights.files import commit_folder, filling, folder_matches, fresh_tmp_folder
 from tierlm.weights.safetensors import DTYPES, header
 from tierlm.weights.safetensors_write import write_safetensors
 
@@ -117,12 +117,13 @@ def quantize_units(
     reuse = folder_matches(folder, want)
     tmp = fresh_tmp_folder(folder) if want["units"] and not reuse else None
     out = []
-    for unit in units:
-        stored = _mmap_all(folder / f"{unit.name}.safetensors") if unit.tier == "disk" and reuse else None
-        sources, packed = _quantize_unit(decoder, unit, mode, group_size, dtype, device, stored)
-        sources.update(_stage(packed, unit, tmp, device))
-        _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
-        out.append(Unit(unit.name, unit.tier, sources))
+    with filling(tmp, folder):
+        for unit in units:
+            stored = _mmap_all(folder / f"{unit.name}.safetensors") if unit.tier == "disk" and reuse else None
+            sources, packed = _quantize_unit(decoder, unit, mode, group_size, dtype, device, stored)
+            sources.update(_stage(packed, unit, tmp, device))
+            _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
+            out.append(Unit(unit.name, unit.tier, sources))
     if tmp is not None:
         commit_folder(tmp, folder, want)
     return out

@@ -6,7 +6,9 @@ Nothing here knows about models or tiers; `weights.gguf_cache`, `weights.layout`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import mmap
@@ -77,10 +79,37 @@ def atomic_write(target: Path, write) -> None:
     """Write `target` through write(temporary path), then rename: a reader sees the old file or the new one."""
     tmp = temporary(target)
     try:
-        write(tmp)
+        with naming(target):
+            write(tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """An OSError that names no file (a full disk, a file size limit: raised by a write) names `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
+
+
+@contextlib.contextmanager
+def filling(tmp: Path | None, folder: Path):
+    """The block writes `folder`'s files into `tmp` (from fresh_tmp_folder; None: nothing to write); an error
+    removes it, and one that names no file names `folder`."""
+    if tmp is None:
+        yield
+        return
+    try:
+        with naming(folder):
+            yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def folder_matches(folder: Path, want: dict) -> bool:
@@ -115,11 +144,27 @@ def fresh_tmp_folder(folder: Path) -> Path:
 
 def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
     """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
-    without a manifest (an interrupted write) is never trusted."""
+    without a manifest (an interrupted write) is never trusted. Where another process committed the same
+    folder meanwhile, its folder stays (a process may be reading it) and this one's is removed."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / "manifest.json").write_text(json.dumps({**want, "files": files}))
-    old = temporary(folder, "old")
-    if folder.exists():
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with filling(tmp, folder):
+        (tmp / "manifest.json").write_text(json.dumps({**want, "files": files}))
+    for _ in range(COMMIT_TRIES):
+        if folder_matches(folder, want):
+            shutil.rmtree(tmp, ignore_errors=True)  # mapped files stay readable where they are mapped
+            return
+        old = temporary(folder, "old")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(folder, old)  # a stale or damaged folder
+        try:
+            os.rename(tmp, folder)
+            return
+        except OSError as e:  # another process's rename came between the two
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+    raise OSError(errno.EEXIST, "other processes keep replacing this folder", str(folder))
+
+
+COMMIT_TRIES = 5
