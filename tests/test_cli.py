@@ -79,6 +79,17 @@ def test_compiling_shows_progress():
     assert json.loads(proc.stdout)["stats"]["compiled"] is True
 
 
+def test_the_first_load_of_a_gguf_says_it_dequantizes_it_once(tmp_path):
+    """Dequantizing a GGUF into the cache takes minutes for a large file: the first load says so."""
+    fresh = {"TIERLM_CACHE_DIR": str(tmp_path)}
+    first = tierlm("generate", "--max-new-tokens", "1", "--json", "Hi", **fresh)
+    assert first.returncode == 0, first.stderr
+    assert "tierlm: dequantizing SmolLM2-135M-Instruct.Q4_1.gguf to torch." in first.stderr
+    assert f"once, into {tmp_path}" in first.stderr
+    again = tierlm("generate", "--max-new-tokens", "1", "--json", "Hi", **fresh)
+    assert again.returncode == 0 and "dequantizing" not in again.stderr, again.stderr
+
+
 def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
     proc = tierlm("generate", "--model", str(tiny_checkpoints["llama"]), "Hello")
     assert proc.returncode != 0

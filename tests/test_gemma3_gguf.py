@@ -102,7 +102,8 @@ def test_chat_template_and_turn_end(gemma):
         "<bos><start_of_turn>user\nYou are a helpful assistant.\n\nWhat is the capital of France? "
         "Answer in one sentence.<end_of_turn>\n<start_of_turn>model\n"
     )
-    assert set(tok.eos_token_ids) == {1, tok.token_to_id("<end_of_turn>")}
+    # as llama.cpp (llama_vocab_is_eog over the file's vocabulary): <eos>, <end_of_turn> and </s>
+    assert tok.eos_token_ids == (1, tok.token_to_id("<end_of_turn>"), tok.token_to_id("</s>"))
 
 
 @pytest.mark.parametrize(

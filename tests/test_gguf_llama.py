@@ -55,7 +55,14 @@ def llama3_factors(cfg: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def to_gguf(folder, path, rope_freqs: bool = True, metadata=None, projections: str | None = None):
+def to_gguf(
+    folder,
+    path,
+    rope_freqs: bool = True,
+    metadata=None,
+    projections: str | None = None,
+    tokenizer: bool = True,
+):
     """The folder as llama.cpp's converter writes it; `metadata(writer)` adds keys of a test's own;
     `projections`: a GGML type name (e.g. "Q4_0") the projection weights are quantized to, as llama-quantize
     does (by gguf-py's reference quantizer)."""
@@ -75,12 +82,13 @@ def to_gguf(folder, path, rope_freqs: bool = True, metadata=None, projections: s
     writer.add_rope_dimension_count(head_dim)
     vocab = cfg["vocab_size"]
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("llama")  # a stand-in vocabulary: these tests feed token ids
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if tokenizer:
+        writer.add_tokenizer_model("llama")  # a stand-in vocabulary: these tests feed token ids
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)])
+        writer.add_token_scores([0.0] * vocab)
+        writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     if metadata is not None:
         metadata(writer)
     for name, w in load_file(folder / "model.safetensors").items():
@@ -200,3 +208,11 @@ def test_the_default_quantization_of_q4_blocks_keeps_the_files_weights(tiny_chec
         return
     assert mode == ("int8" if features.keeps_quantized_as_int8 else None)
     assert error(default) < error(int4) / 2  # int4 of Q4_0 blocks is lossy: the test can fail
+
+
+def test_a_gguf_without_a_tokenizer_fails_before_its_weights_are_dequantized(tiny_checkpoints, tmp_path):
+    """llama.cpp refuses such a file too; the error comes first, not after dequantizing the whole file."""
+    path = to_gguf(tiny_checkpoints["llama"], tmp_path / "bare.gguf", tokenizer=False)
+    with pytest.raises(ValueError, match="has no tokenizer metadata"):
+        tierlm.load(path)
+    assert not list(gguf_cache.cache_dir(path).glob("weights-*"))

@@ -91,17 +91,20 @@ def test_unexpected_tensor_is_named(tiny_checkpoints, tmp_path):
     assert "unexpected" in one_line(err) and "model.layers.0.mlp.extra_proj.weight" in one_line(err)
 
 
-def write_gguf(path, arch="llama", tensor_type=GGMLQuantizationType.F32, block_count=1):
+def write_gguf(path, arch="llama", tensor_type=GGMLQuantizationType.F32, omit=()):
     writer = GGUFWriter(str(path), arch)
-    if block_count is not None:
-        writer.add_block_count(block_count)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(16)
+    for key, add, value in [
+        ("block_count", writer.add_block_count, 1),
+        ("context_length", writer.add_context_length, 64),
+        ("embedding_length", writer.add_embedding_length, 8),
+        ("feed_forward_length", writer.add_feed_forward_length, 16),
+        ("attention.head_count", writer.add_head_count, 2),
+        ("attention.head_count_kv", writer.add_head_count_kv, 1),
+        ("attention.layer_norm_rms_epsilon", writer.add_layer_norm_rms_eps, 1e-5),
+        ("vocab_size", writer.add_vocab_size, 16),
+    ]:
+        if key not in omit:
+            add(value)
     raw = np.zeros((16, 8), dtype=np.float32)
     if tensor_type == GGMLQuantizationType.F32:
         writer.add_tensor("token_embd.weight", raw)
@@ -191,11 +194,13 @@ def test_broken_config_is_one_cli_error_line_without_traceback(tiny_checkpoints,
     assert needle in proc.stderr.splitlines()[-1]
 
 
-def test_gguf_missing_metadata_key_is_named(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", block_count=None)
+@pytest.mark.parametrize("key", ["block_count", "context_length", "attention.layer_norm_rms_epsilon"])
+def test_gguf_missing_metadata_key_is_named(tmp_path, key):
+    """Keys llama.cpp requires (it refuses the file) are required here too, not given a default."""
+    path = write_gguf(tmp_path / "m.gguf", omit=(key,))
     with pytest.raises(ValueError) as err:
         tierlm.load(path)
-    assert "m.gguf" in one_line(err) and 'missing required field "llama.block_count"' in one_line(err)
+    assert "m.gguf" in one_line(err) and f'missing required field "llama.{key}"' in one_line(err)
 
 
 def test_truncated_gguf_names_the_tensor_it_cannot_read(default_model_path, tmp_path):

@@ -177,6 +177,8 @@ def test_a_gguf_whose_rotary_covers_part_of_the_head_is_an_error():
         "llama.attention.head_count": 4,
         "llama.feed_forward_length": 128,
         "llama.vocab_size": 320,
+        "llama.context_length": 256,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
         "llama.rope.dimension_count": 32,
     }
     with pytest.raises(ValueError, match="rope.dimension_count 32 rotates part of a 64-wide head"):

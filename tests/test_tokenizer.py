@@ -92,7 +92,7 @@ def test_smollm_splits_digits_like_its_real_tokenizer(smollm, hf_smollm):
 
 def test_smollm_special_tokens(smollm, hf_smollm):
     assert smollm.bos_token_id == 1 == smollm.token_to_id("<|im_start|>")
-    assert smollm.eos_token_ids == (2,)
+    assert smollm.eos_token_ids == (2, 0, 4)  # <|im_end|>, then <|endoftext|> and <reponame>, as llama.cpp
     assert smollm.pad_token_id == 2
     assert smollm.add_bos is False
     assert smollm.vocab_size == len(hf_smollm) == 49152
@@ -166,9 +166,12 @@ def _write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **e
     if "add_space_prefix" in extra:
         writer.add_add_space_prefix(extra["add_space_prefix"])
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_eos_token_id(extra.get("eos", 2))
     writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
+    if extra.get("add_bos", True) is not None:
+        writer.add_add_bos_token(extra.get("add_bos", True))
+    for key, value in extra.get("ids", {}).items():  # e.g. {"tokenizer.ggml.eot_token_id": 5}
+        writer.add_uint32(key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -398,6 +401,68 @@ def test_unsupported_gguf_pre_tokenizer(tmp_path):
     )
     with pytest.raises(ValueError, match=r"unsupported GGUF pre-tokenizer 'nonesuch'; supported: .*smollm"):
         Tokenizer.from_gguf(path)
+
+
+BPE_TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "ab"]
+
+
+def _bpe_gguf(path: Path, extra_tokens: list[tuple[str, int]], **extra) -> Path:
+    tokens = BPE_TOKENS + [t for t, _ in extra_tokens]
+    types = [2, 3, 3, 1, 1, 1] + [k for _, k in extra_tokens]
+    return _write_gguf(path, "gpt2", tokens, types, merges=["a b"], pre=extra.pop("pre", "gpt-2"), **extra)
+
+
+@pytest.mark.parametrize(
+    "extra_tokens, extra, ends",
+    [
+        (  # the texts llama.cpp ends on, whatever their token type; others that look alike do not
+            [("<|eot_id|>", 1), ("<|im_end|> ", 3), ("<|EOT|>", 3), ("<|end_of_text|>", 4), ("<eos>", 3)],
+            {},
+            ["</s>", "<|eot_id|>", "<|end_of_text|>", "<eos>"],
+        ),
+        (  # a fill-in-the-middle pad, repo and file separator each; eot and eom ids whatever their text
+            [("<|fim_pad|>", 3), ("<|repo_name|>", 3), ("<|file_sep|>", 3), ("<|stop|>", 3), ("<|x|>", 3)],
+            {"ids": {"tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": 10}},
+            ["</s>", "<|stop|>", "<|x|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"],
+        ),
+        (  # gpt-oss: <|end|> ends a message, not the reply, where <|return|> and <|call|> exist
+            [("<|end|>", 3), ("<|return|>", 3), ("<|call|>", 3)],
+            {"eos": 7},
+            ["</s>", "<|return|>", "<|call|>"],
+        ),
+        ([("<|tool_response>", 3)], {}, ["<|tool_response>"]),  # gemma 4: </s> is not the end there
+    ],
+    ids=["texts", "fim-and-ids", "harmony", "tool-response"],
+)
+def test_end_of_generation_tokens_are_llama_cpps(tmp_path, extra_tokens, extra, ends):
+    """Checked against llama.cpp (llama-cpp-python 0.3.36, llama_vocab_is_eog for every id) on these files."""
+    tok = Tokenizer.from_gguf(_bpe_gguf(tmp_path / "eog.gguf", extra_tokens, **extra))
+    named = [tok.id_to_token(i) for i in tok.eos_token_ids]
+    assert sorted(named) == sorted(ends)
+    eos = extra.get("eos", 2)
+    if tok.id_to_token(eos) in ends:
+        assert tok.eos_token_ids[0] == eos  # the file's eos first: the pad token when it names none
+
+
+@pytest.mark.parametrize(
+    "model, pre, key, adds",
+    [
+        ("gpt2", "llama-bpe", None, True),  # Llama 3's files: BOS though they do not say
+        ("gpt2", "smollm", None, False),
+        ("gpt2", "gpt-2", None, False),
+        ("gpt2", "llama-bpe", False, False),  # the file's key wins
+        ("llama", None, None, True),  # sentencepiece
+        ("llama", None, False, False),
+    ],
+)
+def test_whether_bos_is_added_follows_llama_cpps_defaults(tmp_path, model, pre, key, adds):
+    if model == "gpt2":
+        path = _bpe_gguf(tmp_path / "bos.gguf", [], pre=pre, add_bos=key)
+    else:
+        path = _write_spm_gguf(tmp_path / "bos.gguf", add_bos=key)
+    tok = Tokenizer.from_gguf(path)
+    assert tok.add_bos is adds
+    assert (tok.encode("ab")[:1] == [1]) is adds
 
 
 def test_bos_token_not_in_vocabulary(tmp_path):

@@ -244,12 +244,13 @@ class ModelConfig:
             num_kv_heads=count("attention.head_count_kv", num_heads),
             head_dim=head_dim,
             intermediate_size=count("feed_forward_length"),
-            rms_norm_eps=positive_float(keys, "attention.layer_norm_rms_epsilon", 1e-6, prefix),
+            # required, as llama.cpp requires them (it refuses such a file: "key not found in model")
+            rms_norm_eps=positive_float(keys, "attention.layer_norm_rms_epsilon", prefix=prefix),
             rope_theta=positive_float(keys, "rope.freq_base", 10000.0, prefix),
             rope_scaling=scaling,
             tie_word_embeddings=bool(meta.get("tierlm.tied_embeddings", False)),
             attention_bias=arch_name == "qwen2",
-            max_position_embeddings=count("context_length", 2048),
+            max_position_embeddings=count("context_length"),
             bos_token_id=token_id(meta, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=token_ids(meta, "tokenizer.ggml.eos_token_id"),
             pad_token_id=token_id(meta, "tokenizer.ggml.padding_token_id"),
@@ -480,11 +481,13 @@ def positive_int(raw: dict[str, Any], key: str, default: int = _REQUIRED, prefix
     return int(value)
 
 
-def positive_float(raw: dict[str, Any], key: str, default: float, prefix: str = "") -> float:
-    """raw[key] as a positive finite number; `default` when absent or null."""
+def positive_float(raw: dict[str, Any], key: str, default: float = _REQUIRED, prefix: str = "") -> float:
+    """raw[key] as a positive finite number; `default` when absent or null, else required."""
     value = raw.get(key)
-    if value is None:
+    if value is None and default is not _REQUIRED:
         return default
+    if value is None:
+        raise ValueError(f'missing required field "{prefix}{key}"')
     if not (_is_int(value) or isinstance(value, float)) or not 0 < value < float("inf"):
         raise ValueError(f'field "{prefix}{key}" must be a positive number, got {_shown(value)}')
     return float(value)

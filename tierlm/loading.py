@@ -72,17 +72,17 @@ def open_step(plan: LoadPlan, loading: Loading) -> None:
         loading.checkpoint = open_checkpoint(path)
         loading.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return
+    loading.tokenizer = gguf_cache.open_cached_tokenizer(path)
+    if loading.tokenizer is None:  # first: a file without one fails before minutes of dequantizing
+        loading.tokenizer = Tokenizer.from_gguf(path)
+        gguf_cache.store_tokenizer(path, loading.tokenizer)
     try:
-        loading.checkpoint = gguf_cache.ensure(path, plan.dtype)
+        loading.checkpoint = gguf_cache.ensure(path, plan.dtype, loading.progress)
     except OSError as e:
         warnings.warn(
             f"cannot cache dequantized GGUF weights ({e}); loading from the GGUF file", stacklevel=5
         )
         loading.checkpoint = GGUFCheckpoint(path)
-    loading.tokenizer = gguf_cache.open_cached_tokenizer(path)
-    if loading.tokenizer is None:
-        loading.tokenizer = Tokenizer.from_gguf(path)
-        gguf_cache.store_tokenizer(path, loading.tokenizer)
 
 
 def build_step(plan: LoadPlan, loading: Loading) -> None:

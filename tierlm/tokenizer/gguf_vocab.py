@@ -23,7 +23,7 @@ _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 # each one splits the pieces the previous one left, keeping matches and gaps alike.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    **dict.fromkeys(("gpt2", "mpt", "olmo", "jais", "trillion"), (_GPT2,)),
+    **dict.fromkeys(("gpt-2", "phi-2", "gpt2", "mpt", "olmo", "jais", "trillion"), (_GPT2,)),
     # smollm: every digit on its own first, like SmolLM2's tokenizer.json `Digits(individual_digits=True)`.
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), (r"\p{N}", _GPT2)
@@ -36,6 +36,45 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bp
 # llama.cpp token types (tokenizer.ggml.token_type).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+# What ends generation, as llama.cpp decides it (llama-vocab.cpp, checked against llama-cpp-python 0.3.36):
+# the tokens of these texts, whatever their type, one fill-in-the-middle pad, repo and file-separator token
+# each (its key, else the first of these texts), and the eos / eot / eom ids.
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    }
+)  # fmt: skip
+_FIM_EOG = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": (
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+    ),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+# A byte-level BPE vocabulary adds BOS where it does not say (tokenizer.ggml.add_bos_token) for these
+# pre-tokenizers only, as llama.cpp's defaults do; a sentencepiece one always.
+_BPE_ADDS_BOS = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "tekken",
+        "chameleon",
+    }
+)
 
 
 def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, bool, str | None]:
@@ -52,22 +91,37 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
         builder = _gemma_backend
     backend = builder(meta)
     _add_gguf_added_tokens(backend, meta)
-    eos_ids = [meta[key] for key in _EOS_KEYS if key in meta]
     template = meta.get("tokenizer.chat_template")
     if meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
-        # As llama.cpp does for Gemma files: a turn ends generation like <eos> does.
-        tokens = meta["tokenizer.ggml.tokens"]
-        eos_ids += [i for i, t in enumerate(tokens[:1024]) if t == "<end_of_turn>"]
         template = template or GEMMA_CHAT_TEMPLATE
     special = SpecialTokens(
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=tuple(dict.fromkeys(eos_ids)),
+        eos_ids=end_of_generation_ids(meta),
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
         unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
     )
-    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    adds_bos = kind == "llama" or meta.get("tokenizer.ggml.pre") in _BPE_ADDS_BOS
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", adds_bos))
     return backend, special, add_bos, template
+
+
+def end_of_generation_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The ids that end generation (_EOG_TEXTS): the file's eos, eot and eom ids first, then the others."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    named = [meta[key] for key in _EOS_KEYS if meta.get(key) is not None]
+    by_text = {t: i for i, t in enumerate(tokens)}  # a text twice: its last id, as llama.cpp
+    found = {by_text[t] for t in _EOG_TEXTS if t in by_text}
+    for key, texts in _FIM_EOG.items():
+        fim = meta.get(key, next((by_text[t] for t in texts if t in by_text), None))
+        found.update([fim] if fim is not None else [])
+    eog = set(named) | found
+    text = {i: tokens[i] for i in eog if 0 <= i < len(tokens)}.get
+    calls = {text(i) for i in eog}
+    if "<|end|>" in calls and ({"<|return|>", "<|call|>"} <= calls or {"<|calls|>", "<|flush|>"} <= calls):
+        eog -= {i for i in eog if text(i) == "<|end|>"}  # gpt-oss and solar: <|end|> ends a message only
+    if "<|tool_response>" in calls:
+        eog -= {i for i in eog if text(i) == "</s>"}
+    return tuple(dict.fromkeys([i for i in named if i in eog] + sorted(eog)))
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from tierlm.weights import safetensors_write
 from tierlm.weights.files import atomic_write, file_identity, identity_key
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
+
+log = logging.getLogger(__name__)
 
 # The cached config's format: 2 since a GGUF's rope_freqs tensor is read (format 1 dropped it, so a cached
 # Llama 3.x config lacks its rotary scaling and must be rebuilt); 3 since its YaRN keys are read (format 2
@@ -83,6 +86,9 @@ def ensure(gguf_path: Path, dtype: torch.dtype, progress=None) -> SafetensorsChe
             if progress is not None:
                 progress(i + 1, len(names))
 
+    log.info(
+        "dequantizing %s to %s once, into %s (%d tensors) ...", gguf_path.name, dtype, folder, len(names)
+    )
     atomic_write(weights, lambda p: write_safetensors(p, shapes, dtype, tensors()))
     types = {n: gguf.tensors[n].tensor_type.name for n in names}
     source = {"gguf": str(gguf_path.resolve()), "tensor_types": types}
@@ -151,9 +157,9 @@ def quantized_blocks(types: list[str]) -> bool:
     return bool(types) and not any(t in FLOAT_TYPES for t in types)
 
 
-# Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template),
-# so a tokenizer cached by an older tierlm is rebuilt rather than trusted.
-TOKENIZER_FORMAT = 2
+# Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template;
+# 3: llama.cpp's end-of-generation tokens and BOS default), so one cached by an older tierlm is rebuilt.
+TOKENIZER_FORMAT = 3
 
 
 def open_cached_tokenizer(gguf_path: Path):
