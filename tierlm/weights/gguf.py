@@ -27,6 +27,9 @@ SUPPORTED_TYPES = (
     Q.Q4_K,
     Q.Q5_K,
     Q.Q6_K,
+    # i-quants, ternary and 4-bit float blocks: dequantized by gguf-py's reference code (tested against ggml's)
+    *(getattr(Q, n) for n in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")),
+    *(getattr(Q, n) for n in ("IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4") if hasattr(Q, n)),
 )
 
 
