@@ -488,6 +488,26 @@ def test_served_compiled_continuous_batching_loads_its_packages_without_compilin
     assert texts == [eager.generate(p, max_new_tokens=n).texts[0] for p, n in jobs]  # EOS ends both alike
 
 
+def test_max_model_len_sizes_the_served_cache_and_its_steps_at_start(slot_store, tiny):
+    """serve --compile --max-model-len: the continuous batch's cache and packaged steps are built for that
+    length before the server answers, so a request of that length joins without growing the cache (which
+    loads or builds steps of the new length on the worker while every running row waits)."""
+    from tierlm.server.app import build_app
+
+    store, _out, _err = slot_store
+    model = tierlm.load(tiny, dtype="float32")
+    model.use_compiled_packages(store / "aot")
+    config = GenerationConfig(compile_config=CC)
+    app = build_app(model, max_batch_size=1, generation_config=config, max_model_len=300)
+    batch = app.state.tierlm.scheduler._batch
+    assert batch.length == 512 and list(batch.steps) == [1], batch.steps  # 300 + 1 slots, bucketed
+    steps = dict(batch.steps)
+    request = config.replace(max_new_tokens=290, min_new_tokens=290)
+    batch.join(Sequence("A", list(range(5, 15)), request))  # 10 + 290 = max_model_len
+    assert batch.length == 512 and batch.steps == steps
+    assert next(iter(batch.advance())).token is not None  # its prefill: the first token
+
+
 def test_a_later_continuous_batch_adopts_the_models_jit_step_and_decodes_its_own_rows(tiny):
     """The JIT path beside the packages: the model keeps one torch.compile'd step per shape, bound to the
     first batch's SlotCache; a later batch on the model (the server's worker makes one after a failed step)

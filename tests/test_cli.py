@@ -119,6 +119,11 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
         (["serve", "--port", "99999"], "--port must be in 0-65535, got 99999"),
         (["serve", "--api-key", ""], "--api-key must not be empty"),
         (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
+        (["serve", "--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (
+            ["compile", "--serve", "--max-model-len", "9000"],
+            "--max-model-len 9000 exceeds the model's context of 8192",
+        ),
         (["serve", "--served-model-name", " "], "--served-model-name must not be empty"),
         (
             ["compile", "--serve", "--batching", "static", "--max-batch-size", "-1"],

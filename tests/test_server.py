@@ -375,6 +375,29 @@ def test_context_overflow_names_the_limit(http):
     assert error["code"] == "context_length_exceeded" and str(CONTEXT) in error["message"]
 
 
+def test_max_model_len_caps_what_the_server_accepts_and_reports(tiny_dir):
+    """vLLM's max_model_len: prompt + answer at most it (a 400 naming it past it), and /tokenize reports it."""
+    with (
+        serve(tierlm.load(tiny_dir, dtype="float32"), max_model_len=40) as s,
+        httpx.Client(base_url=s.url, trust_env=False, timeout=60) as http,
+    ):
+        assert http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 40
+        prompt = [5, 17, 99, 230, 41, 7, 8, 9, 10, 11]
+        ok = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 30})
+        assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] <= 40, ok.text
+        error = check_error(
+            http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 31}),
+            400,
+            "max_tokens",
+        )
+        assert error["code"] == "context_length_exceeded"
+        assert error["message"].startswith("the server's max_model_len is 40 tokens, but the prompt has 10")
+    with pytest.raises(
+        ValueError, match=f"max_model_len {CONTEXT + 1} exceeds the model's context of {CONTEXT}"
+    ):
+        build_app(tierlm.load(tiny_dir, dtype="float32"), max_model_len=CONTEXT + 1)
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 def test_missing_or_wrong_api_key_is_401(live, headers):
     response = httpx.post(f"{live.url}{CHAT}", json=GOOD, headers=headers, trust_env=False)

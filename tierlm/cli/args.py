@@ -119,6 +119,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--compile-scope", choices=("model", "layer"))
     add_compile_mode_arg(serve)
     serve.add_argument("--max-batch-size", type=int, default=8)
+    add_max_model_len_arg(serve)
     serve.add_argument(
         "--served-model-name",
         help="the model name clients send and /v1/models lists (default: the file or folder name), as vLLM's",
@@ -137,6 +138,15 @@ def _add_serve(sub) -> None:
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance)")
     serve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: 1)")
     serve.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (default: 0)")
+
+
+def add_max_model_len_arg(parser, prefix: str = "") -> None:
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"{prefix}the longest prompt + answer served, at most the model's context (default: it); with "
+        "--compile the cache and compiled steps are built for it at start, so no request waits for a build",
+    )
 
 
 def _add_compile(sub) -> None:
@@ -162,6 +172,7 @@ def _add_compile(sub) -> None:
         "--batching (instead of --batch-sizes and --cache-len)",
     )
     comp.add_argument("--max-batch-size", type=int, default=8, help="with --serve: serve's (default: 8)")
+    add_max_model_len_arg(comp, "with --serve: serve's; ")
     comp.add_argument("--batching", choices=("continuous", "static"), default="continuous")
 
 

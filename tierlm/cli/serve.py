@@ -22,6 +22,9 @@ def check_serve_args(args) -> None:
     replicas = getattr(args, "replicas", None)
     if replicas is not None and replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    max_model_len = getattr(args, "max_model_len", None)
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
 
 
 def check_bind(host: str, port: int) -> None:
@@ -50,8 +53,9 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address:
         return serve_replicas(args)
     model = load_model(args)
+    check_max_model_len(model, args.max_model_len)
     if (cc := compile_config(args)) is not None and served_statically(model, args.batching):
-        prepare_served_packages(model, cc, args.max_batch_size)
+        prepare_served_packages(model, cc, args.max_batch_size, args.max_model_len)
     elif cc is not None:  # the continuous worker loads or builds its packaged steps as it starts
         model.use_compiled_packages()
     run_server(
@@ -63,8 +67,15 @@ def cmd_serve(args) -> int:
         generation_config=GenerationConfig(compile_config=cc) if (cc := compile_config(args)) else None,
         batching=args.batching,
         model_name=getattr(args, "served_model_name", None),
+        max_model_len=args.max_model_len,
     )
     return 0
+
+
+def check_max_model_len(model, max_model_len: int | None) -> None:
+    context = model.config.max_position_embeddings
+    if max_model_len is not None and max_model_len > context:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context}")
 
 
 SERVED_MAX_TOKENS = 1024  # what a chat request that names no max_tokens gets (build_app's default)
@@ -76,17 +87,18 @@ def served_statically(model, batching: str) -> bool:
     return batching == "static" or any(model.decoder.sliding)
 
 
-def prepare_served_packages(model, cc, max_batch_size: int) -> None:
+def prepare_served_packages(model, cc, max_batch_size: int, max_model_len: int | None = None) -> None:
     """serve --compile: find or build the whole-step package of each batch the server compiles (1, 2, 4, ...
-    up to max_batch_size; it rounds batches up to a power of two) at the cache length of a chat request
-    with the default max tokens, before the server reports healthy. Other lengths build on first use."""
-    from tierlm.cache import bucket_length
+    up to max_batch_size; it rounds batches up to a power of two) at the cache length it serves
+    (`served_cache_length`), before the server reports healthy. Without --max-model-len, a request longer
+    than a default chat request's builds its length on first use."""
+    from tierlm.server.batcher import served_cache_length
 
     model.use_compiled_packages()
     if not model.packages.applies(cc):
         return
     batches = [1 << i for i in range((max_batch_size - 1).bit_length() + 1)]
-    length = bucket_length(SERVED_MAX_TOKENS + 1, model.config.max_position_embeddings)
+    length = served_cache_length(model, max_model_len, SERVED_MAX_TOKENS)
     status(f"tierlm: compiled steps for batches {', '.join(map(str, batches))} at cache length {length}:")
     model.packages.prepare(batches, length, cc, report=lambda line: status(f"tierlm: {line}"))
 
@@ -113,6 +125,7 @@ def serve_replicas(args) -> int:
             "generation_config": GenerationConfig(compile_config=cc) if cc else None,
             "batching": args.batching,
             "model_name": getattr(args, "served_model_name", None),
+            "max_model_len": args.max_model_len,
         },
         cpus=args.replica_cpus,
         gpus=args.replica_gpus,
@@ -144,14 +157,18 @@ def cmd_compile(args) -> int:
             f"--cache-len {args.cache_len} exceeds the model's context of {model.config.max_position_embeddings}"
         )
     static = served_statically(model, args.batching)
+    if args.serve:
+        check_max_model_len(model, args.max_model_len)
     if args.serve and static:
-        prepare_served_packages(model, cc, args.max_batch_size)
+        prepare_served_packages(model, cc, args.max_batch_size, args.max_model_len)
     elif args.serve:  # the continuous worker's steps, as it prepares them at start-up
         from tierlm.generation.config import GenerationConfig
         from tierlm.server.continuous import ContinuousScheduler
 
         config = GenerationConfig(compile_config=cc)
-        scheduler = ContinuousScheduler(model, max_batch_size=args.max_batch_size, base_config=config)
+        scheduler = ContinuousScheduler(
+            model, max_batch_size=args.max_batch_size, base_config=config, max_model_len=args.max_model_len
+        )
         if not scheduler.prepare(print):
             raise ValueError("this model's continuous batches do not compile here: no package to build")
     else:

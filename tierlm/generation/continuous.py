@@ -12,12 +12,13 @@ whole steps come from packages (`Model.use_compiled_packages`, tierlm.aot), `pre
 once for the longest request it expects and loads (or builds) the packaged step of each row count, so a
 server does its compiling, if any, before it answers. A request longer than that cache grows it, and the
 packaged steps of the new length are then loaded or built when first used, on the worker (every running row
-waits for a cold build: `tierlm compile --serve` builds the start-up lengths only). Without packages,
-compiled steps are compiled by torch.compile when first used.
+waits for a cold build, which is logged: a server's max_model_len sizes the cache for every request it
+accepts). Without packages, compiled steps are compiled by torch.compile when first used.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
 from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -180,6 +183,13 @@ class SlotBatch:
         if needed + 1 <= self.length:
             return
         length = bucket_length(needed + 1, self.model.config.max_position_embeddings + 1)
+        if self.cache is not None and self.decision.compile and self.packaged:
+            log.info(
+                "a request of %d tokens grows the batch's cache to %d slots: its compiled steps for that length "
+                "load or build now while running rows wait (serve --max-model-len sizes it at start)",
+                needed,
+                length,
+            )
         cache = self.model.static_cache(self.slots, length)
         self.model.decoder.ensure_rope(length, self.device)
         if self.cache is not None:  # rows in flight keep what they wrote

@@ -45,6 +45,7 @@ def build_app(
     generation_config: GenerationConfig | None = None,
     default_max_tokens: int = 1024,
     batching: str = "continuous",
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
@@ -52,6 +53,8 @@ def build_app(
     `default_max_tokens` caps chat completions that do not say how many tokens they want.
     `batching`: "continuous" (requests join and leave the running batch at every step) or "static" (a
     request that arrives while every running batch decodes waits for one to end).
+    `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
+    compiled steps, the cache and its steps are sized for it as the server starts.
     """
     _check_servable(model, max_body_bytes, default_max_tokens)
     scheduler = make_scheduler(
@@ -61,6 +64,7 @@ def build_app(
         max_queue=max_queue,
         base_config=generation_config,
         default_max_tokens=default_max_tokens,
+        max_model_len=max_model_len,
     )
     name = model_name or default_model_name(model)
     app = FastAPI(title="tierlm", lifespan=_lifespan(scheduler, name), docs_url=None, redoc_url=None)

@@ -44,6 +44,27 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
 
 
+def served_context(model: Model, max_model_len: int | None) -> int:
+    """The longest prompt + answer a server accepts: max_model_len (vLLM's), at most the model's context."""
+    context = model.config.max_position_embeddings
+    if max_model_len is None:
+        return context
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+    if max_model_len > context:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
+    return max_model_len
+
+
+def served_cache_length(model: Model, max_model_len: int | None, default_max_tokens: int = 1024) -> int:
+    """The static cache length a server's compiled steps are built for as it starts: its max_model_len
+    (every batch then uses it), else a chat request's with the default max_tokens (others build when used)."""
+    from tierlm.cache import bucket_length
+
+    needed = max_model_len if max_model_len is not None else default_max_tokens + 1
+    return bucket_length(needed, model.config.max_position_embeddings)
+
+
 class Scheduler:
     """Owns the model on one worker thread; the asyncio side only submits and cancels requests.
 
@@ -59,6 +80,7 @@ class Scheduler:
         max_batch_size: int = 8,
         max_queue: int = 64,
         base_config: GenerationConfig | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -67,7 +89,8 @@ class Scheduler:
         self.model = model
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.base_config = base_config or GenerationConfig()
-        self.context = model.config.max_position_embeddings
+        self.context = served_context(model, max_model_len)
+        self.max_model_len = max_model_len
         self._cond = threading.Condition()
         self._pending: list[Request] = []
         self._running: list[Request] = []
@@ -254,6 +277,8 @@ class Scheduler:
             rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
             row_configs += [config.replace(do_sample=False, logprobs=None, prompt_logprobs=None)] * extra
         length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
+        if compiles and length is not None and self.max_model_len is not None:
+            length = max(length, served_cache_length(self.model, self.max_model_len))  # built at start
         shape = (len(rows), length) if length is not None else None
         padded = owners + [None] * (len(rows) - len(owners))
         return Job(batch, padded, rows, limits, stops, row_configs, config, shape, compiles)

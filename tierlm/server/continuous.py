@@ -21,8 +21,9 @@ class ContinuousScheduler(Scheduler):
     the decode steps of the rows already running, and each row leaves as soon as it finishes.
 
     When its compiled steps come from AOT packages (`Model.use_compiled_packages`), `start()` sizes the
-    batch's cache for a request of `default_max_tokens` and loads (or builds) the packaged step of every
-    row count before it returns, so the server reports healthy only once it can decode without compiling.
+    batch's cache for a request of `max_model_len` tokens (else of `default_max_tokens`) and loads (or
+    builds) the packaged step of every row count before it returns, so the server reports healthy only once
+    it can decode without compiling; only a longer request than that (no max_model_len) grows it later.
     """
 
     batching = "continuous"
@@ -65,7 +66,7 @@ class ContinuousScheduler(Scheduler):
     def _new_batch(self, report=None) -> SlotBatch:
         batch = SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
         if batch.packaged:  # its cache starts at the length its packages are for (loaded once, then reused)
-            needed = min(self.default_max_tokens, self.context)
+            needed = self.context if self.max_model_len else min(self.default_max_tokens, self.context)
             if report is not None:
                 sizes = ", ".join(str(1 << i) for i in range(batch.slots.bit_length()))
                 report(f"compiled steps for continuous batches of {sizes} rows, cache for {needed} tokens:")

@@ -54,7 +54,17 @@ class ServerState:
 
     @property
     def context(self) -> int:
-        return self.model.config.max_position_embeddings
+        return self.scheduler.context
+
+    @property
+    def context_named(self) -> str:
+        """How errors name the context: the model's, or the server's max_model_len."""
+        capped = self.scheduler.context < self.model.config.max_position_embeddings
+        return (
+            f"the server's max_model_len is {self.context}"
+            if capped
+            else f"the model's context is {self.context}"
+        )
 
 
 router = APIRouter()
@@ -329,15 +339,14 @@ def _max_tokens(
         raise APIError(400, "the prompt is empty: it needs at least one token", param)
     if room <= 0:
         message = (
-            f"the prompt has {prompt_tokens} tokens, but the model's context is {state.context} tokens; "
-            "shorten the prompt"
+            f"the prompt has {prompt_tokens} tokens, but {state.context_named} tokens; shorten the prompt"
         )
         raise APIError(400, message, param, "context_length_exceeded")
     if requested is None:
         return min(default, room)
     if requested > room:
         message = (
-            f"the model's context is {state.context} tokens, but the prompt has {prompt_tokens} and "
+            f"{state.context_named} tokens, but the prompt has {prompt_tokens} and "
             f"{field} asks for {requested} more ({prompt_tokens + requested} in all); "
             f"use {field} <= {room}"
         )
