@@ -68,6 +68,7 @@ def test_cache_list_shows_each_entry_with_its_size_and_the_total(cache, tiny_che
     (writing,) = [line for line in lines if os.path.basename(live_tmp) in line]
     assert f"being written by process {live_pid}" in writing
     assert lines[-1].startswith(f"total: {format_bytes(tree_size(root))} in 6 entries (1 left by killed")
+    assert "orphaned" not in proc.stdout  # every entry's source is still there
 
 
 def test_cache_clear_stale_removes_only_what_killed_writers_left(cache):
@@ -81,6 +82,36 @@ def test_cache_clear_stale_removes_only_what_killed_writers_left(cache):
     ]
     assert not os.path.exists(dead_tmp) and os.path.exists(live_tmp)
     assert {p for p in root.rglob("*") if ".tmp-" not in str(p)} == before
+
+
+def test_entries_made_from_files_that_are_gone_are_orphaned_and_cleared_as_stale(
+    cache, tmp_path, tiny_checkpoints
+):
+    """A GGUF's dequantized weights and a checkpoint's offload folders outlive their sources in the cache;
+    no load can use them again (each is keyed by its files' identity): list marks them, clear --stale
+    removes them with what killed writers left, and nothing else."""
+    import shutil
+
+    root, _dead_tmp, live_tmp, _ = cache  # the offloaded load below removes the dead writer's
+    copy = shutil.copytree(tiny_checkpoints["llama"], tmp_path / "copy")
+    tierlm.load(copy, dtype="bfloat16", device_map=DISK_MAP)  # its converted and fused disk layers
+    gone = write_tiny_gguf(tmp_path / "gone.gguf")
+    gguf_cache.ensure(gone, torch.float32)
+    made = {p for p in root.rglob("*") if ".tmp-" not in str(p)}
+    shutil.rmtree(copy)
+    gone.unlink()
+    listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
+    orphans = [line for line in listing if "; orphaned: " in line]
+    assert len(orphans) == 3, listing  # the GGUF's folder, the converted and the fused offload folders
+    assert sum(f"orphaned: {gone} is gone" in line for line in orphans) == 1
+    assert sum(f"orphaned: {copy}" in line for line in orphans) == 2
+    assert listing[-1].endswith("in 8 entries (3 orphaned: tierlm cache clear --stale removes them)")
+    proc = tierlm_cli("cache", "clear", "--stale", cache=str(root))
+    assert proc.returncode == 0 and "removed 3 entries" in proc.stderr, proc.stderr
+    kept = {p for p in root.rglob("*") if ".tmp-" not in str(p)}
+    assert kept < made and os.path.exists(live_tmp)
+    listing = tierlm_cli("cache", "list", cache=str(root)).stdout.splitlines()
+    assert listing[-1].startswith("total: ") and listing[-1].endswith(" in 5 entries"), listing
 
 
 def test_cache_clear_removes_everything_but_a_live_writers_temporary(cache):

@@ -7,7 +7,8 @@ once per machine: tierlm.kernels), and
 temporaries of writes in progress (weights/temporaries.py), which are entries of their own: a live
 writer's are never removed, a dead writer's are leftovers. Anything else beside them, or under gguf/,
 offload/ and aot/ by a name tierlm does not give (weights/entry_names.py), and any symlink there, is not
-tierlm's: listed, never removed, never followed.
+tierlm's: listed, never removed, never followed. An entry made from files that are gone (or, for a GGUF,
+changed) is orphaned: no load ever uses it again, and `clear --stale` removes it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class CacheEntry:
     nbytes: int
     about: str  # what it holds, in words
     live_writer: int | None = None  # pid of the process still writing it (temporaries only)
+    orphaned: bool = False  # made from files that are gone or changed: never used again
 
     @property
     def foreign(self) -> bool:
@@ -40,8 +42,8 @@ class CacheEntry:
 
     @property
     def stale(self) -> bool:
-        """A temporary its (killed) writer left behind."""
-        return self.kind == "temporary" and self.live_writer is None
+        """A temporary its (killed) writer left behind, or an orphaned entry."""
+        return (self.kind == "temporary" and self.live_writer is None) or self.orphaned
 
 
 def cache_entries(root: Path) -> list[CacheEntry]:
@@ -82,12 +84,46 @@ def _entries_of(path: Path, kind: str) -> list[CacheEntry]:
         if len(inside) == len(children):  # only a write in progress: the temporary is the entry
             return inside
         size = tree_size(path) - sum(e.nbytes for e in inside)
-        return [CacheEntry(path, kind, size, _describe_gguf(path)), *inside]
+        return [_entry(path, kind, size, _describe_gguf(path), _gguf_gone(path)), *inside]
     if kind == "offload" and path.is_dir():
-        return [CacheEntry(path, kind, tree_size(path), _describe_offload(path))]
+        return [_entry(path, kind, tree_size(path), _describe_offload(path), _sources_gone(path))]
     if kind == "aot" and path.is_dir():
-        return [CacheEntry(path, kind, tree_size(path), _describe_aot(path))]
+        return [_entry(path, kind, tree_size(path), _describe_aot(path), _sources_gone(path))]
     return [CacheEntry(path, kind, tree_size(path), "not written by this tierlm version")]
+
+
+def _entry(path: Path, kind: str, nbytes: int, about: str, gone: str | None) -> CacheEntry:
+    if gone is None:
+        return CacheEntry(path, kind, nbytes, about)
+    return CacheEntry(path, kind, nbytes, f"{about}; orphaned: {gone}", orphaned=True)
+
+
+def _gguf_gone(folder: Path) -> str | None:
+    """Why a GGUF cache folder is never used again (its GGUF file is gone or changed: the folder's name is
+    its identity), or None."""
+    from tierlm.weights.files import file_identity, identity_key
+
+    try:
+        source = Path(json.loads((folder / "source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a write in progress, or an older tierlm's: not judged
+    try:
+        same = identity_key([file_identity(source)]) == folder.name
+    except OSError:
+        return f"{source} is gone"
+    return None if same else f"{source} has changed since"
+
+
+def _sources_gone(folder: Path) -> str | None:
+    """Why an offload folder or a compiled package is never used again (a file it was made from is gone), or
+    None (its manifest names none: an older tierlm's, not judged)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        sources = manifest.get("sources") or [manifest["source"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    gone = [s for s in sources if isinstance(s, str) and not os.path.exists(s)]
+    return f"{gone[0]} is gone" if gone else None
 
 
 def _owned(name: str, kind: str) -> bool:

@@ -184,5 +184,6 @@ def _add_cache(sub) -> None:
     cache.add_argument(
         "--stale",
         action="store_true",
-        help="clear only what killed processes left behind (a live process's writes are never removed)",
+        help="clear only what killed processes left behind and what is made from files that are gone or "
+        "changed (a live process's writes are never removed)",
     )

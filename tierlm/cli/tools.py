@@ -68,8 +68,10 @@ def cache_listing(root: Path, entries) -> str:
     lines = [f"cache folder: {root}{state}"]
     for e in entries:
         lines.append(f"  {format_bytes(e.nbytes):>10}  {e.path.relative_to(root)}  {e.about}")
-    stale = [e for e in entries if e.stale]
+    orphaned = sum(e.orphaned for e in entries)
+    killed = sum(e.stale for e in entries) - orphaned
     total = f"total: {format_bytes(sum(e.nbytes for e in entries))} in {entries_text(len(entries))}"
-    if stale:
-        total += f" ({len(stale)} left by killed processes: tierlm cache clear --stale removes them)"
+    why = [f"{killed} left by killed processes"] * bool(killed) + [f"{orphaned} orphaned"] * bool(orphaned)
+    if why:
+        total += f" ({', '.join(why)}: tierlm cache clear --stale removes them)"
     return "\n".join([*lines, total])
