@@ -500,11 +500,11 @@ def test_max_model_len_sizes_the_served_cache_and_its_steps_at_start(slot_store,
     config = GenerationConfig(compile_config=CC)
     app = build_app(model, max_batch_size=1, generation_config=config, max_model_len=300)
     batch = app.state.tierlm.scheduler._batch
-    assert batch.length == 512 and list(batch.steps) == [1], batch.steps  # 300 + 1 slots, bucketed
+    assert batch.length == 301 and list(batch.steps) == [1], batch.steps  # + the decode's scratch column
     steps = dict(batch.steps)
     request = config.replace(max_new_tokens=290, min_new_tokens=290)
     batch.join(Sequence("A", list(range(5, 15)), request))  # 10 + 290 = max_model_len
-    assert batch.length == 512 and batch.steps == steps
+    assert batch.length == 301 and batch.steps == steps
     assert next(iter(batch.advance())).token is not None  # its prefill: the first token
 
 

@@ -120,6 +120,11 @@ def test_text_prompt_without_tokenizer_is_a_one_line_error(tiny_checkpoints):
         (["serve", "--api-key", ""], "--api-key must not be empty"),
         (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
         (["serve", "--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (["compile", "--max-model-len", "600"], "--max-model-len goes with --serve"),
+        (  # before Ray starts: each replica would fail after loading the model, and Ray retry it
+            ["serve", "--replicas", "1", "--port", "0", "--max-model-len", "9000"],
+            "--max-model-len 9000 exceeds the model's context of 8192",
+        ),
         (
             ["compile", "--serve", "--max-model-len", "9000"],
             "--max-model-len 9000 exceeds the model's context of 8192",

@@ -104,6 +104,7 @@ def test_chat_template_and_turn_end(gemma):
     )
     # as llama.cpp (llama_vocab_is_eog over the file's vocabulary): <eos>, <end_of_turn> and </s>
     assert tok.eos_token_ids == (1, tok.token_to_id("<end_of_turn>"), tok.token_to_id("</s>"))
+    assert tok.decode([tok.token_to_id("</s>")]) == ""  # a control token there too: no reply shows it
 
 
 @pytest.mark.parametrize(

@@ -480,6 +480,7 @@ def test_the_cache_listing_names_built_kernels(tmp_path):
     assert removed == [entry] and not kept and not (tmp_path / "kernels").exists()
 
 
+@pytest.mark.slow  # a build of the kernels (~20 s)
 def test_a_library_cut_short_on_disk_is_built_again(ops, tmp_path):
     """A built library that is shorter on disk than its build wrote it (a full disk, a copy cut short) is
     built again: loading it would kill every later process with SIGBUS."""

@@ -430,18 +430,25 @@ def _bpe_gguf(path: Path, extra_tokens: list[tuple[str, int]], **extra) -> Path:
             {"eos": 7},
             ["</s>", "<|return|>", "<|call|>"],
         ),
-        ([("<|tool_response>", 3)], {}, ["<|tool_response>"]),  # gemma 4: </s> is not the end there
+        (  # solar's spelling
+            [("<|end|>", 3), ("<|return|>", 3), ("<|calls|>", 3)],
+            {"eos": 7},
+            ["</s>", "<|return|>", "<|calls|>"],
+        ),
+        ([("<|tool_response>", 3)], {"eos": 6}, ["<|tool_response>"]),  # gemma 4: </s> is not the end there
     ],
-    ids=["texts", "fim-and-ids", "harmony", "tool-response"],
+    ids=["texts", "fim-and-ids", "harmony", "calls", "tool-response"],
 )
 def test_end_of_generation_tokens_are_llama_cpps(tmp_path, extra_tokens, extra, ends):
     """Checked against llama.cpp (llama-cpp-python 0.3.36, llama_vocab_is_eog for every id) on these files."""
     tok = Tokenizer.from_gguf(_bpe_gguf(tmp_path / "eog.gguf", extra_tokens, **extra))
     named = [tok.id_to_token(i) for i in tok.eos_token_ids]
     assert sorted(named) == sorted(ends)
-    eos = extra.get("eos", 2)
-    if tok.id_to_token(eos) in ends:
-        assert tok.eos_token_ids[0] == eos  # the file's eos first: the pad token when it names none
+    assert tok.eos_token_ids[0] == extra.get("eos", 2)  # the file's eos first: the pad token, the template's
+    for i in tok.eos_token_ids:  # llama.cpp makes them control tokens: a reply's text never shows them
+        assert tok.decode([3, i]) == "a" and tok.decode([3, i], skip_special_tokens=False).endswith(
+            tok.id_to_token(i)
+        )
 
 
 @pytest.mark.parametrize(
@@ -463,6 +470,23 @@ def test_whether_bos_is_added_follows_llama_cpps_defaults(tmp_path, model, pre, 
     tok = Tokenizer.from_gguf(path)
     assert tok.add_bos is adds
     assert (tok.encode("ab")[:1] == [1]) is adds
+
+
+def test_a_llama_bpe_vocabulary_without_a_bos_token_adds_none(tmp_path):
+    """llama.cpp refuses to load such a file; its text still tokenizes here, without a BOS to add."""
+    path = tmp_path / "nobos.gguf"
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(BPE_TOKENS)
+    writer.add_token_types([2, 3, 3, 1, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = Tokenizer.from_gguf(path)
+    assert tok.add_bos is False and tok.encode("ab") == [5]
 
 
 def test_bos_token_not_in_vocabulary(tmp_path):

@@ -19,11 +19,9 @@ it reads; the views and the big cache are never inputs of one call together.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import platform
 import shutil
 import time
@@ -31,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from tierlm.cache import StaticCache
 from tierlm.compile import CompileConfig, use_inductor_cache
 from tierlm.generation.slots import SlotCache
 from tierlm.step_export import StepModule, state_tensors, step_kind
-from tierlm.weights.files import commit_folder, file_identity, identity_key
+from tierlm.weights.files import commit_folder, file_identity, identity_key, locked_folder
 from tierlm.weights.gguf_cache import cache_root
 from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
@@ -248,16 +247,9 @@ def _reject(folder: Path, problem: str) -> None:
 def build_lock(root: Path) -> Iterator[None]:
     """Hold the store's build lock (one build at a time; a second builder of a key finds it built)."""
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process building a compiled step in %s ...", root)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    waiting = partial(log.info, "waiting for another process building a compiled step in %s ...", root)
+    with locked_folder(root, waiting):
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, root: Path) -> Package:
@@ -299,7 +291,7 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
             "build_seconds": round(seconds, 1),
             "source": str(model.path),
         }
-        commit_folder(tmp, folder, manifest)
+        commit_folder(tmp, folder, manifest, parent_locked=True)  # build() runs under build_lock(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Package(folder, manifest)

@@ -73,6 +73,7 @@ def cmd_serve(args) -> int:
 
 
 def check_max_model_len(model, max_model_len: int | None) -> None:
+    """--max-model-len within the model's context (`model`: a loaded Model or a LoadPlan, both have config)."""
     context = model.config.max_position_embeddings
     if max_model_len is not None and max_model_len > context:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context}")
@@ -111,6 +112,10 @@ def serve_replicas(args) -> int:
     ray_app.import_ray()  # a missing extra is the first thing to say
     if args.model and not Path(args.model).exists():
         raise FileNotFoundError(f"model not found: {args.model}")
+    if args.max_model_len is not None:  # said here, not by each replica after it loads (and Ray retries)
+        from tierlm.plan import plan
+
+        check_max_model_len(plan(args.model, dtype=args.dtype, device=args.device), args.max_model_len)
     cc = compile_config(args)
     spec = ray_app.ReplicaSpec(
         load_kwargs={
@@ -140,6 +145,8 @@ def cmd_compile(args) -> int:
     from tierlm.compile import CompileConfig
 
     batches = _batch_sizes(args.batch_sizes)
+    if args.max_model_len is not None and not args.serve:
+        raise ValueError("--max-model-len goes with --serve (what serve builds); give --cache-len otherwise")
     if args.cache_len < 1:
         raise ValueError(f"--cache-len must be >= 1, got {args.cache_len}")
     if args.serve:

@@ -35,6 +35,7 @@ from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
 
 log = logging.getLogger(__name__)
+GROWS = "a %d-token request grows the cache to %d slots: steps load or build now, running rows wait (--max-model-len)"
 
 
 @dataclass(eq=False)
@@ -118,11 +119,11 @@ class SlotBatch:
         cc = self.config.compile_config or CompileConfig()
         return self._compiles() and packages is not None and packages.applies(cc, SlotCache)
 
-    def prepare(self, needed: int, report: Callable[[str], None] | None = None) -> None:
-        """Before any request (a server's start-up): size the cache for `needed` slots and, when the steps
-        come from packages, load (or build) the step of every row count the batch decodes at, 1, 2, 4, ...
-        up to its slots, with one `report` line each (as `tierlm compile` prints them)."""
-        self._ensure_length(needed)
+    def prepare(self, needed: int, report: Callable[[str], None] | None = None, exact: bool = False) -> None:
+        """Before any request (a server's start-up): size the cache for `needed` slots (exactly, else rounded
+        up to a bucket) and, when the steps come from packages, load (or build) the step of every row count
+        the batch decodes at, 1, 2, 4, ... up to its slots, with one `report` line each."""
+        self._ensure_length(needed, exact)
         if not (self.decision.compile and self.packaged):
             return
         sizes = [1 << i for i in range(self.slots.bit_length())]
@@ -178,18 +179,14 @@ class SlotBatch:
     def _decoding_rows(self) -> list[int]:
         return [i for i, r in enumerate(self.rows) if r is not None and r.decoding]
 
-    def _ensure_length(self, needed: int) -> None:
+    def _ensure_length(self, needed: int, exact: bool = False) -> None:
         """A cache of at least needed + 1 slots (the last is the decode steps' scratch column)."""
         if needed + 1 <= self.length:
             return
-        length = bucket_length(needed + 1, self.model.config.max_position_embeddings + 1)
+        limit = self.model.config.max_position_embeddings + 1
+        length = needed + 1 if exact else bucket_length(needed + 1, limit)
         if self.cache is not None and self.decision.compile and self.packaged:
-            log.info(
-                "a request of %d tokens grows the batch's cache to %d slots: its compiled steps for that length "
-                "load or build now while running rows wait (serve --max-model-len sizes it at start)",
-                needed,
-                length,
-            )
+            log.info(GROWS, needed, length)
         cache = self.model.static_cache(self.slots, length)
         self.model.decoder.ensure_rope(length, self.device)
         if self.cache is not None:  # rows in flight keep what they wrote

@@ -98,7 +98,8 @@ def _build():
                 verbose=False,
             )
             built = build / f"{LIBRARY}.so"
-            _digest_file(library).write_text(_sha256(built))  # first: a library is never newer than it
+            # the digest first: a crash between the two writes leaves a mismatch, which rebuilds
+            _digest_file(library).write_text(_sha256(built))
             os.replace(built, library)
         finally:
             shutil.rmtree(build, ignore_errors=True)

@@ -61,8 +61,9 @@ def served_cache_length(model: Model, max_model_len: int | None, default_max_tok
     (every batch then uses it), else a chat request's with the default max_tokens (others build when used)."""
     from tierlm.cache import bucket_length
 
-    needed = max_model_len if max_model_len is not None else default_max_tokens + 1
-    return bucket_length(needed, model.config.max_position_embeddings)
+    if max_model_len is not None:
+        return max_model_len
+    return bucket_length(default_max_tokens + 1, model.config.max_position_embeddings)
 
 
 class Scheduler:
@@ -278,7 +279,7 @@ class Scheduler:
             row_configs += [config.replace(do_sample=False, logprobs=None, prompt_logprobs=None)] * extra
         length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
         if compiles and length is not None and self.max_model_len is not None:
-            length = max(length, served_cache_length(self.model, self.max_model_len))  # built at start
+            length = self.max_model_len  # the one length, built at start (every request fits it)
         shape = (len(rows), length) if length is not None else None
         padded = owners + [None] * (len(rows) - len(owners))
         return Job(batch, padded, rows, limits, stops, row_configs, config, shape, compiles)

@@ -66,11 +66,12 @@ class ContinuousScheduler(Scheduler):
     def _new_batch(self, report=None) -> SlotBatch:
         batch = SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
         if batch.packaged:  # its cache starts at the length its packages are for (loaded once, then reused)
-            needed = self.context if self.max_model_len else min(self.default_max_tokens, self.context)
+            exact = self.max_model_len is not None  # the one length it ever needs: no bucket's spare slots
+            needed = self.context if exact else min(self.default_max_tokens, self.context)
             if report is not None:
                 sizes = ", ".join(str(1 << i) for i in range(batch.slots.bit_length()))
                 report(f"compiled steps for continuous batches of {sizes} rows, cache for {needed} tokens:")
-            batch.prepare(needed, report)
+            batch.prepare(needed, report, exact)
             with self._cond:
                 self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
         return batch

@@ -90,23 +90,28 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
     if kind == "llama" and meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
         builder = _gemma_backend
     backend = builder(meta)
-    _add_gguf_added_tokens(backend, meta)
+    eos_ids = end_of_generation_ids(meta)
+    _add_gguf_added_tokens(backend, meta, eos_ids)
     template = meta.get("tokenizer.chat_template")
     if meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
         template = template or GEMMA_CHAT_TEMPLATE
     special = SpecialTokens(
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=end_of_generation_ids(meta),
+        eos_ids=eos_ids,
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
         unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
     )
-    adds_bos = kind == "llama" or meta.get("tokenizer.ggml.pre") in _BPE_ADDS_BOS
+    adds_bos = special.bos_id is not None and (
+        kind == "llama" or meta.get("tokenizer.ggml.pre") in _BPE_ADDS_BOS
+    )
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", adds_bos))
     return backend, special, add_bos, template
 
 
 def end_of_generation_ids(meta: dict[str, Any]) -> tuple[int, ...]:
-    """The ids that end generation (_EOG_TEXTS): the file's eos, eot and eom ids first, then the others."""
+    """The ids that end generation (_EOG_TEXTS): the file's eos, eot and eom ids first (the eos is the
+    pad token and the template's eos_token), then the others by id. llama.cpp's two exceptions drop a
+    found <|end|> (gpt-oss, solar) or </s> (Gemma 4); it drops a named one too, which is kept here."""
     tokens = meta["tokenizer.ggml.tokens"]
     named = [meta[key] for key in _EOS_KEYS if meta.get(key) is not None]
     by_text = {t: i for i, t in enumerate(tokens)}  # a text twice: its last id, as llama.cpp
@@ -114,14 +119,13 @@ def end_of_generation_ids(meta: dict[str, Any]) -> tuple[int, ...]:
     for key, texts in _FIM_EOG.items():
         fim = meta.get(key, next((by_text[t] for t in texts if t in by_text), None))
         found.update([fim] if fim is not None else [])
-    eog = set(named) | found
-    text = {i: tokens[i] for i in eog if 0 <= i < len(tokens)}.get
-    calls = {text(i) for i in eog}
-    if "<|end|>" in calls and ({"<|return|>", "<|call|>"} <= calls or {"<|calls|>", "<|flush|>"} <= calls):
-        eog -= {i for i in eog if text(i) == "<|end|>"}  # gpt-oss and solar: <|end|> ends a message only
-    if "<|tool_response>" in calls:
-        eog -= {i for i in eog if text(i) == "</s>"}
-    return tuple(dict.fromkeys([i for i in named if i in eog] + sorted(eog)))
+    texts = {tokens[i] for i in set(named) | found if 0 <= i < len(tokens)}
+    call = "<|call|>" in texts or "<|calls|>" in texts
+    if call and ("<|return|>" in texts or "<|flush|>" in texts):  # <|end|> ends a message, not the reply
+        found -= {by_text.get("<|end|>")}
+    if "<|tool_response>" in texts:
+        found -= {by_text.get("</s>")}
+    return tuple(dict.fromkeys(named + sorted(found - set(named))))
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:
@@ -215,12 +219,17 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [(left, right) for _, left, right in ranked]
 
 
-def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any]) -> None:
-    """Control and unknown tokens become special; user-defined ones are matched whole but not special."""
+def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any], eog: tuple[int, ...]) -> None:
+    """Control and unknown tokens become special, and so do end-of-generation ones whatever their type (llama.cpp
+    makes them control tokens: a reply's text never shows them); user-defined ones are matched whole but not
+    special."""
     tokens, token_types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", ())
-    special = [t for t, kind in zip(tokens, token_types) if kind in (_UNKNOWN, _CONTROL)]
+    ends = {tokens[i] for i in eog if 0 <= i < len(tokens)}
+    special = [t for t, kind in zip(tokens, token_types) if kind in (_UNKNOWN, _CONTROL) or t in ends]
     vocab = backend.get_vocab()  # a user-defined token the backend respelled (Gemma's spaces) is not added
-    plain = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
+    plain = [
+        t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab and t not in ends
+    ]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
 

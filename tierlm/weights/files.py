@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import mmap
@@ -86,15 +87,19 @@ def atomic_write(target: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# What a write raises when the disk or a limit cannot take it (the error names no file).
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
 @contextlib.contextmanager
 def naming(path: Path):
-    """An OSError that names no file (a full disk, a file size limit: raised by a write) names `path`."""
+    """A full disk (or quota, or file size limit) met by a write in the block names `path` in its error."""
     try:
         yield
     except OSError as e:
-        if e.filename is not None or e.errno is None:
-            raise
-        raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from None
+        if e.filename is None and e.errno in FULL:
+            e.filename = str(path)  # the same exception, its type, attributes and traceback
+        raise
 
 
 @contextlib.contextmanager
@@ -145,29 +150,41 @@ def fresh_tmp_folder(folder: Path) -> Path:
     return tmp
 
 
-def commit_folder(tmp: Path, folder: Path, want: dict) -> None:
+def commit_folder(tmp: Path, folder: Path, want: dict, parent_locked: bool = False) -> None:
     """Make a filled temporary folder `folder`: the manifest is written last, then one rename, so a folder
-    without a manifest (an interrupted write) is never trusted. Where another process committed the same
-    folder meanwhile, its folder stays (a process may be reading it) and this one's is removed."""
+    without a manifest (an interrupted write) is never trusted. Commits beside it take turns (a lock on the
+    parent folder, `locked_folder`, unless the caller holds it; readers take none): where another process
+    committed the same folder meanwhile, its folder stays (a process may be reading it) and this one's is
+    removed; a stale one is replaced."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     with filling(tmp, folder):
         (tmp / "manifest.json").write_text(json.dumps({**want, "files": files}))
-    for _ in range(COMMIT_TRIES):
-        if folder_matches(folder, want):
-            shutil.rmtree(tmp, ignore_errors=True)  # mapped files stay readable where they are mapped
-            return
-        old = temporary(folder, "old")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(folder, old)  # a stale or damaged folder
+        with contextlib.nullcontext() if parent_locked else locked_folder(folder.parent):
+            if folder_matches(folder, want):
+                shutil.rmtree(tmp, ignore_errors=True)  # mapped files stay readable where they are mapped
+                return
+            old = temporary(folder, "old")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(folder, old)  # a stale or damaged folder
+            try:
+                os.rename(tmp, folder)
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked_folder(folder: Path, waiting=None):
+    """An exclusive lock on `folder` itself (flock on its descriptor: no file of its own), held for the block;
+    `waiting()` is called first if another process holds it. Not reentrant: a second lock on the same
+    folder in one process waits for itself."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
         try:
-            os.rename(tmp, folder)
-            return
-        except OSError as e:  # another process's rename came between the two
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        finally:
-            shutil.rmtree(old, ignore_errors=True)
-    raise OSError(errno.EEXIST, "other processes keep replacing this folder", str(folder))
-
-
-COMMIT_TRIES = 5
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

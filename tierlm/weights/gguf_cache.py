@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 # The cached config's format: 2 since a GGUF's rope_freqs tensor is read (format 1 dropped it, so a cached
 # Llama 3.x config lacks its rotary scaling and must be rebuilt); 3 since its YaRN keys are read (format 2
-# dropped them).
-CONFIG_FORMAT = 3
+# dropped them); 4 since context_length and the rms epsilon are required (3 defaulted them).
+CONFIG_FORMAT = 4
 
 
 def cache_dir(gguf_path: Path) -> Path:
