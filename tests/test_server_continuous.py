@@ -75,6 +75,8 @@ def test_short_request_joins_a_running_long_one_and_finishes_first(live):
     stats = live.stats()
     assert stats["batching"] == "continuous"
     assert stats["joined_running_batch"] >= 1 and stats["left_running_batch"] >= 1, stats
+    sizes = {int(rows): steps for rows, steps in stats["batch_sizes"].items()}  # rows decoding -> steps
+    assert sizes.get(2, 0) >= 1 and sum(sizes.values()) == stats["decode_steps"], stats
 
 
 MIXED = [  # (sampling fields, compared with the library's solo run: greedy and seeded rows)

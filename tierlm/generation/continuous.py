@@ -101,6 +101,7 @@ class SlotBatch:
         self.steps: dict[int, str] = {}  # rows -> how its compiled step came to be (a package, or JIT)
         self._decode_next = False
         self.stats: Counter[str] = Counter()
+        self.decoding_rows: Counter[int] = Counter()  # rows decoding -> decode steps (/stats' batch_sizes)
 
     # --- membership ------------------------------------------------------------------------------
 
@@ -340,6 +341,7 @@ class SlotBatch:
         self.tokens[index, 0] = tokens
         self.positions[index] += 1
         self.stats["decode_steps"] += 1
+        self.decoding_rows[len(decoding)] += 1
         updates = []
         for i, (r, token) in enumerate(zip(decoding, tokens.tolist())):
             self.rows[r].position += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from tierlm.generation.continuous import Sequence, SlotBatch, Update
 from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler, logger
 
@@ -132,5 +134,6 @@ class ContinuousScheduler(Scheduler):
         with self._cond:
             for key in BATCH_STATS:
                 self._stats[key] = batch.stats[key]
+            self._batch_sizes = Counter(batch.decoding_rows)  # how many rows each decode step ran
             if batch.steps:  # rows -> "loaded package <key> (...)", "built package ...", or JIT
                 self._stats["compiled_steps"] = {str(k): v for k, v in sorted(batch.steps.items())}
