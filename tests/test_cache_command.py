@@ -197,3 +197,15 @@ def test_cache_clear_leaves_a_users_files_and_links_under_tierlms_folder_names(t
     assert (root / "gguf" / "linked").is_symlink() and (
         root / "offload" / "0123456789abcdef0123"
     ).is_symlink()
+
+
+def test_a_load_in_progress_reads_on_when_another_process_clears_the_cache(tmp_path, monkeypatch):
+    """A disk-mapped load maps its tensors one by one from the cached GGUF weights; `tierlm cache clear` in
+    another process between two of them removed the file, and the next one failed (FileNotFoundError)."""
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = gguf_cache.ensure(write_tiny_gguf(tmp_path / "tiny.gguf"), torch.float32)
+    (name,) = checkpoint.names()
+    proc = tierlm_cli("cache", "clear", cache=str(tmp_path / "cache"))
+    assert proc.returncode == 0 and "removed 1 entry" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # the file is gone
+    assert torch.equal(checkpoint.load_mapped(name), torch.ones(16, 8))

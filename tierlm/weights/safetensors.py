@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import weakref
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,6 +42,10 @@ class SafetensorsCheckpoint:
         self.files = files  # HF name -> file
         self._headers: dict[Path, tuple[int, dict]] = {}
         self._handles = {f: _open(f) for f in sorted(set(files.values()))}
+        # open now: memory-mapped later from these, a file removed meanwhile (`tierlm cache clear` in
+        # another process) still reads
+        self._opened = {f: open(f, "rb") for f in self._handles}  # noqa: SIM115 (closed by the finalizer)
+        weakref.finalize(self, _close_all, list(self._opened.values()))
         self._check_index()
 
     def names(self) -> list[str]:
@@ -60,8 +67,8 @@ class SafetensorsCheckpoint:
         """The tensor as stored, zero-copy: memory-mapped from its file (copy-on-write, the file never changes)."""
         file = self.files[name]
         if file not in self._headers:
-            self._headers[file] = header(file)
-        return mmap_tensors(file, [name], self._headers[file])[name]
+            self._headers[file] = header(self._opened[file])
+        return mmap_tensors(self._opened[file], [name], self._headers[file])[name]
 
     def load(self, name: str) -> torch.Tensor:
         """The tensor as stored (CPU, the checkpoint's dtype)."""
@@ -144,15 +151,24 @@ def _check_size(file: Path) -> None:
 NP_VIEWS = {"F32": "float32", "F16": "float16", "BF16": "int16", "I8": "int8", "U8": "uint8", "I32": "int32"}
 
 
-def header(file: Path) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file."""
+def header(file: Path | BinaryIO) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file, by its path or an open binary file."""
+    if not isinstance(file, (str, Path)):
+        fd = file.fileno()
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        return 8 + n, json.loads(os.pread(fd, n, 8))
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         return 8 + n, json.loads(f.read(n))
 
 
+def _close_all(files: list[BinaryIO]) -> None:
+    for f in files:
+        f.close()
+
+
 def mmap_tensors(
-    file: Path, names: list[str], parsed: tuple[int, dict] | None = None
+    file: Path | BinaryIO, names: list[str], parsed: tuple[int, dict] | None = None
 ) -> dict[str, torch.Tensor]:
     """Zero-copy tensors backed by the file's pages (file-backed memory the kernel can drop and re-read).
 
