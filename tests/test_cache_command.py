@@ -114,6 +114,25 @@ def test_entries_made_from_files_that_are_gone_are_orphaned_and_cleared_as_stale
     assert listing[-1].startswith("total: ") and listing[-1].endswith(" in 5 entries"), listing
 
 
+def test_an_entry_made_from_a_relative_path_is_not_orphaned_seen_from_elsewhere(tmp_path, tiny_checkpoints):
+    """Sources are recorded resolved: a model loaded as `copy` from its parent folder still exists when `cache
+    list` runs in another folder (clear --stale removed its usable offload folders); a manifest of the
+    wrong shape is not judged, never a crash."""
+    import shutil
+
+    root = tmp_path / "cache"
+    shutil.copytree(tiny_checkpoints["llama"], tmp_path / "copy")
+    script = "import tierlm; tierlm.load('copy', dtype='bfloat16', device_map={'': 'cpu', 'model.layers.1': 'disk'})"
+    env = {**os.environ, "TIERLM_CACHE_DIR": str(root)}
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True, timeout=300)
+    odd = root / "offload" / "0123456789abcdef0123"
+    odd.mkdir()
+    (odd / "manifest.json").write_text('{"sources": 5, "files": {}}')
+    listing = tierlm_cli("cache", "list", cache=str(root))  # run from this process's folder, not tmp_path
+    assert listing.returncode == 0 and "orphaned" not in listing.stdout, listing.stdout + listing.stderr
+    assert len([line for line in listing.stdout.splitlines() if " offload/" in line]) == 3
+
+
 def test_cache_clear_removes_everything_but_a_live_writers_temporary(cache):
     root, dead_tmp, live_tmp, _ = cache
     proc = tierlm_cli("cache", "clear", cache=str(root))

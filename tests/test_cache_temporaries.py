@@ -238,3 +238,21 @@ def test_a_write_that_fills_the_disk_names_the_folder_and_leaves_no_temporary(ti
     assert "File too large" in proc.stdout and f"'{tmp_path / 'off'}" in proc.stdout, proc.stdout
     leftovers = [p for p in (tmp_path / "off").rglob("*") if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_a_folder_commits_where_the_file_system_has_no_flock(tmp_path, monkeypatch):
+    """Some network file systems refuse flock (ENOLCK): a commit then goes on without taking turns, as
+    before commits took them, instead of failing every offloaded load there."""
+    import errno
+
+    from tierlm.weights import files
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(files.fcntl, "flock", refuse)
+    folder, want = tmp_path / "offload" / "key", {"dtype": "torch.float32"}
+    tmp = files.fresh_tmp_folder(folder)
+    (tmp / "weights.safetensors").write_bytes(b"x" * 8)
+    files.commit_folder(tmp, folder, want)
+    assert files.folder_matches(folder, want) and not tmp.exists()

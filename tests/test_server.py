@@ -398,6 +398,27 @@ def test_max_model_len_caps_what_the_server_accepts_and_reports(tiny_dir):
         build_app(tierlm.load(tiny_dir, dtype="float32"), max_model_len=CONTEXT + 1)
 
 
+def test_max_model_len_gives_every_compiled_static_batch_the_length_built_at_start(tiny_dir):
+    """The static worker with --compile --max-model-len: each batch's cache takes the one length its compiled
+    steps were built for as the server started (its own bucket would build another on first use)."""
+    import asyncio
+
+    from tierlm import CompileConfig
+    from tierlm.server.batcher import Scheduler
+    from tierlm.server.events import Request
+
+    config = GenerationConfig(compile_config=CompileConfig(mode="default"))
+    scheduler = Scheduler(tierlm.load(tiny_dir, dtype="float32"), base_config=config, max_model_len=300)
+    loop = asyncio.new_event_loop()
+    try:
+        for prompt, n in (([5, 17, 99], 20), (list(range(5, 105)), 190)):
+            request = Request(prompt, n, (), config.replace(max_new_tokens=n), loop)
+            job = scheduler._plan([request])
+            assert job.cache_shape == (1, 300) and job.config.max_cache_len == 300
+    finally:
+        loop.close()
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 def test_missing_or_wrong_api_key_is_401(live, headers):
     response = httpx.post(f"{live.url}{CHAT}", json=GOOD, headers=headers, trust_env=False)

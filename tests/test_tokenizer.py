@@ -472,6 +472,15 @@ def test_whether_bos_is_added_follows_llama_cpps_defaults(tmp_path, model, pre, 
     assert (tok.encode("ab")[:1] == [1]) is adds
 
 
+def test_a_named_end_token_of_normal_type_ends_generation_but_stays_text(tmp_path):
+    """An eot id the file names, typed NORMAL: it ends generation, but llama.cpp promotes only the texts it
+    knows to control tokens, so this one decodes as its text and a prompt's copy is no special token."""
+    path = _bpe_gguf(tmp_path / "stop.gguf", [("[STOP]", 1)], ids={"tokenizer.ggml.eot_token_id": 6})
+    tok = Tokenizer.from_gguf(path)
+    assert tok.eos_token_ids == (2, 6)
+    assert tok.decode([3, 6]) == "a[STOP]"
+
+
 def test_a_llama_bpe_vocabulary_without_a_bos_token_adds_none(tmp_path):
     """llama.cpp refuses to load such a file; its text still tokenizes here, without a BOS to add."""
     path = tmp_path / "nobos.gguf"

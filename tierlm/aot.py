@@ -290,6 +290,9 @@ def build(model, cache: StaticCache | SlotCache, cc: CompileConfig, key: dict, r
             "built": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "build_seconds": round(seconds, 1),
             "source": str(model.path),
+            "sources": [
+                str(Path(model.path).resolve())
+            ],  # `tierlm cache` marks the package orphaned without it
         }
         commit_folder(tmp, folder, manifest, parent_locked=True)  # build() runs under build_lock(root)
     finally:

@@ -105,24 +105,29 @@ def _gguf_gone(folder: Path) -> str | None:
 
     try:
         source = Path(json.loads((folder / "source.json").read_text())["gguf"])
+        if not source.is_absolute():
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a write in progress, or an older tierlm's: not judged
     try:
         same = identity_key([file_identity(source)]) == folder.name
-    except OSError:
+    except FileNotFoundError:
         return f"{source} is gone"
+    except (OSError, ValueError):  # unreadable here (permissions, a bad name): not judged
+        return None
     return None if same else f"{source} has changed since"
 
 
 def _sources_gone(folder: Path) -> str | None:
-    """Why an offload folder or a compiled package is never used again (a file it was made from is gone), or
-    None (its manifest names none: an older tierlm's, not judged)."""
+    """Why an offload folder or a compiled package is never used again (a file it was made from, by its
+    resolved path, is gone), or None (its manifest names none: an older tierlm's, not judged)."""
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        sources = manifest.get("sources") or [manifest["source"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        sources = json.loads((folder / "manifest.json").read_text())["sources"]
+        if not isinstance(sources, list) or not all(isinstance(s, str) and os.path.isabs(s) for s in sources):
+            return None
+        gone = [s for s in sources if not os.path.exists(s)]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    gone = [s for s in sources if isinstance(s, str) and not os.path.exists(s)]
     return f"{gone[0]} is gone" if gone else None
 
 
@@ -195,15 +200,19 @@ def clear_cache(
     progress(entry) is called before each removal. `root` must be a folder, or not exist."""
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"the cache folder {root} is a file, not a folder (TIERLM_CACHE_DIR?)")
-    removed, kept = [], []
-    for entry in cache_entries(root):
-        if entry.live_writer is not None or entry.foreign or (stale_only and not entry.stale):
-            kept.append(entry)
-            continue
-        if progress is not None:
-            progress(entry)
-        _remove_entry(entry)
-        removed.append(entry)
+    removed: list[CacheEntry] = []
+    while True:  # with stale_only, removing a GGUF's weights orphans the offload folders made from them
+        kept, before = [], len(removed)
+        for entry in cache_entries(root):
+            if entry.live_writer is not None or entry.foreign or (stale_only and not entry.stale):
+                kept.append(entry)
+                continue
+            if progress is not None:
+                progress(entry)
+            _remove_entry(entry)
+            removed.append(entry)
+        if not stale_only or len(removed) == before:
+            break
     for folder in (root / "gguf", root / "offload", root / "aot"):
         _remove_if_empty(folder)
     return removed, kept

@@ -188,7 +188,7 @@ def _fused_units(plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit]
 def _sources(checkpoint) -> list[str]:
     """The files an offload folder is made from, in its manifest: `tierlm cache` tells when they are gone."""
     files = getattr(checkpoint, "files", {})
-    return sorted({str(f) for f in files.values()})
+    return sorted({str(Path(f).resolve()) for f in files.values()})  # any spelling of them finds the folder
 
 
 STEPS: dict[str, Callable[[LoadPlan, Loading], None]] = {

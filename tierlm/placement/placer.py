@@ -266,6 +266,9 @@ def ensure_offload_folder(
     folder = root / offload_key(checkpoint, names)
     want = {
         "source": str(checkpoint.path),
+        "sources": sorted(
+            {str(checkpoint.files[n].resolve()) for n in names}
+        ),  # not compared: for `tierlm cache`
         "dtype": str(dtype),
         "tensors": sorted(names),
         "transposed": sorted(transposed),

@@ -277,9 +277,9 @@ class Scheduler:
             extra = (1 << (len(rows) - 1).bit_length()) - len(rows)
             rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
             row_configs += [config.replace(do_sample=False, logprobs=None, prompt_logprobs=None)] * extra
+        if compiles and self.max_model_len is not None and config.cache_implementation != "dynamic":
+            config = config.replace(max_cache_len=self.max_model_len)  # the one length, built at start
         length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
-        if compiles and length is not None and self.max_model_len is not None:
-            length = self.max_model_len  # the one length, built at start (every request fits it)
         shape = (len(rows), length) if length is not None else None
         padded = owners + [None] * (len(rows) - len(owners))
         return Job(batch, padded, rows, limits, stops, row_configs, config, shape, compiles)

@@ -91,7 +91,8 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
         builder = _gemma_backend
     backend = builder(meta)
     eos_ids = end_of_generation_ids(meta)
-    _add_gguf_added_tokens(backend, meta, eos_ids)
+    named = {meta.get(key) for key in _EOS_KEYS}  # promoted by their text, as llama.cpp does; not by an id
+    _add_gguf_added_tokens(backend, meta, tuple(i for i in eos_ids if i not in named))
     template = meta.get("tokenizer.chat_template")
     if meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
         template = template or GEMMA_CHAT_TEMPLATE
@@ -220,9 +221,9 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 
 def _add_gguf_added_tokens(backend: BackendTokenizer, meta: dict[str, Any], eog: tuple[int, ...]) -> None:
-    """Control and unknown tokens become special, and so do end-of-generation ones whatever their type (llama.cpp
-    makes them control tokens: a reply's text never shows them); user-defined ones are matched whole but not
-    special."""
+    """Control and unknown tokens become special, and so do the end-of-generation ones found by their text
+    (`eog`), whatever their type (llama.cpp makes them control tokens: a reply's text never shows them);
+    user-defined ones are matched whole but not special."""
     tokens, token_types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", ())
     ends = {tokens[i] for i in eog if 0 <= i < len(tokens)}
     special = [t for t, kind in zip(tokens, token_types) if kind in (_UNKNOWN, _CONTROL) or t in ends]

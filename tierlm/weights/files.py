@@ -185,6 +185,9 @@ def locked_folder(folder: Path, waiting=None):
             if waiting is not None:
                 waiting()
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without flock (some network ones): no turns, as before locks
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
         yield
     finally:
         os.close(fd)  # closing releases the lock

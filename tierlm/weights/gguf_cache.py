@@ -158,8 +158,9 @@ def quantized_blocks(types: list[str]) -> bool:
 
 
 # Bumped when the tokenizer built from a GGUF changes (2: Gemma's vocabulary, end-of-turn and chat template;
-# 3: llama.cpp's end-of-generation tokens and BOS default), so one cached by an older tierlm is rebuilt.
-TOKENIZER_FORMAT = 3
+# 3: llama.cpp's end-of-generation tokens and BOS default; 4: those tokens are control tokens), so one cached
+# by an older tierlm is rebuilt.
+TOKENIZER_FORMAT = 4
 
 
 def open_cached_tokenizer(gguf_path: Path):
