@@ -105,7 +105,7 @@ def naming(path: Path):
 @contextlib.contextmanager
 def filling(tmp: Path | None, folder: Path):
     """The block writes `folder`'s files into `tmp` (from fresh_tmp_folder; None: nothing to write); an error
-    removes it, and one that names no file names `folder`."""
+    removes it, and a full disk met there names `folder` (`naming`)."""
     if tmp is None:
         yield
         return
