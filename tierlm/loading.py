@@ -16,7 +16,7 @@ from tierlm.models import layers
 from tierlm.models.decoder import Decoder
 from tierlm.module_names import under
 from tierlm.placement.offload import Streamer, Unit
-from tierlm.placement.placer import Placement, disk_sources, offload_key
+from tierlm.placement.placer import Placement, disk_sources, offload_key, source_paths
 from tierlm.plan import LoadPlan
 from tierlm.tokenizer import Tokenizer
 from tierlm.weights import gguf_cache
@@ -167,7 +167,7 @@ def _packed_units(
     placement, (mode, group) = plan.placement, plan.quantization
     names = sorted(n for n in params if placement.tier_of(n) == "disk")
     key = offload_key(checkpoint, names) if isinstance(checkpoint, SafetensorsCheckpoint) else "resident"
-    identity = {"checkpoint": key, "dtype": str(plan.dtype), "sources": _sources(checkpoint)}
+    identity = {"checkpoint": key, "dtype": str(plan.dtype), "sources": source_paths(checkpoint)}
     packed: Path = plan.offload_folder / f"{key}-{mode}-g{group}-{placement.device.type}"
     return quantize_units(decoder, units, mode, group, plan.dtype, placement.device, packed, identity)
 
@@ -180,15 +180,9 @@ def _fused_units(plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit]
         "checkpoint": offload_key(checkpoint, names),
         "dtype": str(plan.dtype),
         "quantization": list(plan.quantization) if plan.quantization else None,
-        "sources": _sources(checkpoint),
+        "sources": source_paths(checkpoint),
     }
     return fuse_units(decoder, units, plan.streamed_fusion, plan.offload_folder, identity)
-
-
-def _sources(checkpoint) -> list[str]:
-    """The files an offload folder is made from, in its manifest: `tierlm cache` tells when they are gone."""
-    files = getattr(checkpoint, "files", {})
-    return sorted({str(Path(f).resolve()) for f in files.values()})  # any spelling of them finds the folder
 
 
 STEPS: dict[str, Callable[[LoadPlan, Loading], None]] = {

@@ -250,6 +250,13 @@ def disk_sources(
     return {n: t.T if n in flipped else t for n, t in tensors.items()}
 
 
+def source_paths(checkpoint, names: list[str] | None = None) -> list[str]:
+    """The resolved files `names` (default: all) come from, recorded in an offload folder's manifest so that
+    `tierlm cache` can tell when they are gone (any spelling of them finds the folder: its key resolves)."""
+    files = getattr(checkpoint, "files", {})
+    return sorted({str(Path(files[n]).resolve()) for n in (files if names is None else names)})
+
+
 def offload_key(checkpoint: SafetensorsCheckpoint, names: list[str]) -> str:
     """Identity of the checkpoint files and of the set of tensors an offload folder holds."""
     files = [file_identity(f) for f in sorted(set(checkpoint.files.values()))]
@@ -266,9 +273,7 @@ def ensure_offload_folder(
     folder = root / offload_key(checkpoint, names)
     want = {
         "source": str(checkpoint.path),
-        "sources": sorted(
-            {str(checkpoint.files[n].resolve()) for n in names}
-        ),  # not compared: for `tierlm cache`
+        "sources": source_paths(checkpoint, names),  # not compared: for `tierlm cache`
         "dtype": str(dtype),
         "tensors": sorted(names),
         "transposed": sorted(transposed),

@@ -153,13 +153,12 @@ NP_VIEWS = {"F32": "float32", "F16": "float16", "BF16": "int16", "I8": "int8", "
 
 def header(file: Path | BinaryIO) -> tuple[int, dict]:
     """(data start offset, header dict) of a safetensors file, by its path or an open binary file."""
-    if not isinstance(file, (str, Path)):
-        fd = file.fileno()
-        n = int.from_bytes(os.pread(fd, 8, 0), "little")
-        return 8 + n, json.loads(os.pread(fd, n, 8))
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return 8 + n, json.loads(f.read(n))
+    if isinstance(file, (str, Path)):
+        with open(file, "rb") as f:
+            return header(f)
+    fd = file.fileno()  # pread: the file object's position is not this reader's
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    return 8 + n, json.loads(os.pread(fd, n, 8))
 
 
 def _close_all(files: list[BinaryIO]) -> None:
