@@ -15,6 +15,7 @@ from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.loading import execute
 from tierlm.models.decoder import Decoder
+from tierlm.models.programs import decode_programs
 from tierlm.placement.offload import Streamer
 from tierlm.placement.placer import Placement
 from tierlm.plan import LoadPlan, plan
@@ -130,13 +131,22 @@ class Model:
         attending over the `length` slots in use, not the whole cache."""
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
         grows = isinstance(cache, DynamicCache)  # no position bound known up front
+        # layers that stream their weights run as modules, whose hooks fetch them
+        streamed = set(self.streamer.by_layer) if self.streamer is not None else set()
+        programs = decode_programs(self.decoder, cache, streamed)
 
         def step(tokens, positions, slots, length):
             rope = self.decoder.rope_cos
             if grows and (rope is None or cache.valid.shape[1] >= rope.shape[0]):  # positions <= the columns
                 self.decoder.ensure_rope(cache.valid.shape[1] + 1, self.device)
             logits = self.decoder(
-                tokens, attention_mask=ones, positions=positions, cache=cache, slots=slots, length=length
+                tokens,
+                attention_mask=ones,
+                positions=positions,
+                cache=cache,
+                slots=slots,
+                length=length,
+                programs=programs,
             )
             return logits[:, -1].float()
 

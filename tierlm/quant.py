@@ -170,6 +170,21 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def product(self, rows: int, dtype: torch.dtype):
+        """`forward` for a contiguous CPU input [rows, in_features] of `dtype`, eagerly, as one plain function
+        with this module's choices made for that shape (an eager decode step's layer program:
+        tierlm.models.programs); None where forward runs a path that has no such function."""
+        w, scales = self.weight_int8, self.scales
+        if w.device.type != "cpu" or (self.widens and dtype == torch.bfloat16 and rows >= DEQUANTIZE_ROWS):
+            return None
+        if self.kernel and dtype in KERNEL_X_DTYPES:
+            op = torch.ops.tierlm_avx2.int8_mm
+        elif dtype == scales.dtype and dtype in KERNEL_DTYPES:
+            op = aten._weight_int8pack_mm
+        else:
+            return None
+        return _plus_bias(lambda x: op(x, w, scales), self.bias, dtype)
+
     @classmethod
     def fuse(cls, parts) -> Int8Linear | None:
         """One Int8Linear for several of the same input (q/k/v, gate/up): codes and scales concatenated by
@@ -266,6 +281,19 @@ class Int4Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def product(self, rows: int, dtype: torch.dtype):
+        """`forward` for a contiguous CPU input [rows, in_features] of `dtype`, as Int8Linear.product does."""
+        w, group, sz = self.weight_int4, self.group_size, self.scales_and_zeros
+        if w.device.type != "cpu" or dtype != sz.dtype:
+            return None
+        if self.kernel:
+            op = torch.ops.tierlm_avx2.int4_mm
+        elif self.dequantizes and rows >= DEQUANTIZE_ROWS:
+            return None
+        else:
+            op = aten._weight_int4pack_mm_for_cpu
+        return _plus_bias(lambda x: op(x, w, group, sz), self.bias, dtype)
+
     @classmethod
     def fuse(cls, parts) -> Int4Linear | None:
         """One Int4Linear for several of the same input, or None. Only on the CPU, whose packed layout is
@@ -320,6 +348,14 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={self.bias is not None}"
         )
+
+
+def _plus_bias(product, bias: torch.Tensor | None, dtype: torch.dtype):
+    """`product`, then + bias in `dtype` (as forward adds it), when there is a bias."""
+    if bias is None:
+        return product
+    bias = bias.to(dtype)
+    return lambda x: product(x) + bias
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,7 @@ class Decoder(nn.Module):
         last_only: bool = False,
         layer_fn=None,
         length: int | None = None,
+        programs=None,
     ) -> torch.Tensor:
         """Logits for input_ids [b, s].
 
@@ -170,7 +171,9 @@ class Decoder(nn.Module):
         cache positions written by this call and `positions` [b, s] the rotary positions. layer_fn, with a
         static cache, runs each layer as layer_fn(layer, x, cos, sin, mask, cache.views[i], slots).
         length: the cache slots attention reads, the first `length` (None: the whole cache); a Python int,
-        so a compiled step that passes its cache's full length keeps fixed shapes.
+        so a compiled step that passes its cache's full length keeps fixed shapes. programs: the layers'
+        eager decode programs over `cache` (tierlm.models.programs), run for a step of one position of as
+        many rows as they were made for.
         """
         b, s = input_ids.shape
         device = input_ids.device
@@ -191,10 +194,13 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if cfg.family.embed_scale:
             x = x * self.embed_scales[x.dtype]
+        step = programs.programs if programs is not None and s == 1 and b == programs.rows else None
         for i, layer in enumerate(self.model.layers):
             kind = 1 if self.sliding[i] else 0  # an int: dynamo (torch 2.11) rejects a bool index
             r, m = ropes[kind], masks[kind]
-            if layer_fn is None:
+            if step is not None and step[i] is not None:
+                x = step[i](x, r, m, slots)
+            elif layer_fn is None:
                 x = layer(x, r, m, cache, slots, length)
             else:  # one compiled layer body for every layer; each gets its own view of the cache
                 x = layer_fn(layer, x, r[0], r[1], m, cache.views[i], slots)

@@ -33,6 +33,16 @@ class RMSNorm(nn.Module):
         # Normalize in fp32, scale in the input dtype (as Hugging Face does, for identical rounding).
         return self.weight * _normalized(x, self.eps).to(x.dtype)
 
+    def plain(self, dtype: torch.dtype):
+        """`forward` for CPU inputs of `dtype` as a plain function, the kernel chosen now (an eager decode
+        step's layer program, tierlm.models.programs)."""
+        weight, eps, gemma = self.weight, self.eps, isinstance(self, GemmaRMSNorm)
+        same = gemma or weight.dtype == dtype
+        if self.kernel and dtype == torch.bfloat16 and weight.dtype in _KERNEL_DTYPES and same:
+            norm = torch.ops.tierlm_avx2.rms_norm
+            return lambda x: norm(x.contiguous(), weight, eps, gemma)
+        return self.forward
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), in fp32, then rounds to the input dtype (as HF does)."""
@@ -115,6 +125,23 @@ def _wide_decode(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows >= WIDE_ROWS and small and not torch.compiler.is_compiling()
 
 
+def linear_product(
+    weight: torch.Tensor, bias: torch.Tensor | None, widen: bool, vector: int, rows: int, dtype: torch.dtype
+):
+    """`linear` for an eager decode step of `rows` rows of `dtype` (one position each) on the CPU, as a plain
+    function of x [rows, in], its choices made now (an eager decode step's layer program,
+    tierlm.models.programs). The same products as `linear` on x [rows, 1, in]."""
+    if widen and rows >= WIDE_ROWS and weight.numel() * 4 <= WIDE_FP32_BYTES:  # `_wide_decode`
+        # widened per call, as `linear` does
+        return lambda x: F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+    bf16 = dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    if rows == 1 and vector & VECTOR_EAGER and bf16 and weight.device.type == "cpu":  # `_vector_product`
+        if bias is None:
+            return lambda x: torch.mv(weight, x.reshape(-1)).unsqueeze(0)
+        return lambda x: torch.addmv(bias, weight, x.reshape(-1)).unsqueeze(0)
+    return lambda x: F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose prefill products may run widened to fp32 (see `linear`; off by default)."""
 
@@ -125,6 +152,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.widen, self.vector)
+
+    def product(self, rows: int, dtype: torch.dtype):
+        """`forward` for a decode step's CPU input [rows, in_features] as a plain function (`linear_product`)."""
+        return linear_product(self.weight, self.bias, self.widen, self.vector, rows, dtype)
 
 
 # Which projections fuse into one matmul, as data (nano-vllm's packed-modules mapping): under each layer's
@@ -148,6 +179,14 @@ class FusedProjections:
         if self.packed is not None:
             return self.packed(x)
         return linear(x, self.weight, self.bias, widen, vector)
+
+    def product(self, rows: int, dtype: torch.dtype, widen: bool, vector: int = VECTOR_EAGER):
+        """`__call__` for a decode step's CPU input [rows, in] as a plain function, or None (`product` of the
+        packed linear, or `linear_product`)."""
+        if self.packed is not None:
+            product = getattr(self.packed, "product", None)
+            return None if product is None else product(rows, dtype)
+        return linear_product(self.weight, self.bias, widen, vector, rows, dtype)
 
 
 def fuse_projections(*projections: nn.Module) -> FusedProjections | None:

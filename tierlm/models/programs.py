@@ -1,0 +1,148 @@
+"""Eager CPU decode steps without the module tree: each decoder layer as one plain function.
+
+An eager decode step of a small model spends as long in Python as in its kernels: the default model's
+30 layers make ~270 module calls and ~450 tensor ops a token, each module re-reading its parameters and
+re-deciding its kernel (Zen 4, int4, batch 1: ~4 of ~10 ms a token). A layer program makes those choices
+once, when a generation starts, and keeps the weights and the layer's static cache view at hand, so a step
+runs only the products, norms and attention kernel the module path would run, in the same order on the
+same tensors: its logits are bit for bit the module path's (tests/test_programs.py).
+
+A layer gets a program where its decode step would run tierlm's fused rotary-attention kernel
+(`layers.rope_attention`) over a static cache view, each product has a plain
+function (`product` of layers.Linear, layers.FusedProjections and the quantized linears) and no hook
+watches it (a streamed layer fetches its weights in hooks). Any other layer runs as a module, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tierlm.models.gemma3 import Gemma3DecoderLayer
+from tierlm.models.layers import DecoderLayer, kernel_heads
+
+Program = Callable[..., torch.Tensor]  # program(x [rows, 1, hidden], rope, mask, slots) -> x after the layer
+
+
+class DecodePrograms:
+    """Per layer of a decoder, its program for decode steps of `rows` rows over one static cache, or None."""
+
+    def __init__(self, programs: list[Program | None], rows: int) -> None:
+        self.programs, self.rows = programs, rows
+
+    @property
+    def layers(self) -> int:
+        """How many layers run as programs."""
+        return sum(p is not None for p in self.programs)
+
+
+def decode_programs(decoder: nn.Module, cache, skip: set[int] = frozenset()) -> DecodePrograms | None:
+    """Programs for the eager decode steps of `decoder` over `cache` (a static cache: one view per layer), or
+    None where no layer has one. skip: id() of layer modules that must run as modules (streamed ones)."""
+    views = getattr(cache, "views", None)
+    rows = getattr(cache, "batch", None)
+    if views is None or rows is None or _global_hooks():
+        return None
+    dtype = decoder.compute_dtype
+    programs = [
+        None if id(layer) in skip else layer_program(layer, view, rows, dtype)
+        for layer, view in zip(decoder.model.layers, views)
+    ]
+    return DecodePrograms(programs, rows) if any(p is not None for p in programs) else None
+
+
+def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Program | None:
+    """`layer`'s decode step over its cache view `view` for inputs of `rows` rows of `dtype`, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    gemma = type(layer) is Gemma3DecoderLayer
+    plain = gemma or type(layer) is DecoderLayer  # a subclass may run another forward
+    if not plain or _hooked(layer) or not _attends_through_kernel(attn, view, dtype):
+        return None
+    heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    project = _projections(attn, rows, dtype, heads, kv, d)
+    gate_up = _gate_up(mlp, rows, dtype)
+    o_proj, down = _product(attn.o_proj, rows, dtype), _product(mlp.down_proj, rows, dtype)
+    if None in (project, gate_up, o_proj, down):
+        return None
+    norm_in = layer.input_layernorm.plain(dtype)
+    norm_mid = (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).plain(dtype)
+    after_attn = layer.post_attention_layernorm.plain(dtype) if gemma else None
+    after_mlp = layer.post_feedforward_layernorm.plain(dtype) if gemma else None
+    q_norm = attn.q_norm.plain(dtype) if hasattr(attn, "q_norm") else None
+    k_norm = attn.k_norm.plain(dtype) if hasattr(attn, "k_norm") else None
+    hidden, act = layer.input_layernorm.weight.shape[0], mlp.act
+    scale = d**-0.5 if attn.scale is None else attn.scale
+    keys, values = view.keys, view.values
+    attend = torch.ops.tierlm_avx2.decode_rope_attention  # checks every input it is given
+
+    def program(x: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        x = x.view(rows, hidden)
+        q, k, v = project(norm_in(x))
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        out = o_proj(attend(q, k, v, rope[0], rope[1], keys, values, slots, mask, scale).view(rows, -1))
+        x = x + (out if after_attn is None else after_attn(out))
+        gate, up = gate_up(norm_mid(x))
+        out = down(act(gate) * up)
+        return (x + (out if after_mlp is None else after_mlp(out))).view(rows, 1, hidden)
+
+    return program
+
+
+def _projections(attn: nn.Module, rows: int, dtype: torch.dtype, heads: int, kv: int, d: int):
+    """x [rows, hidden] -> q [rows, heads, d], k and v [rows, kv, d]: one fused product or three, or None."""
+    if attn.fused is not None:
+        qkv, split = attn.fused.product(rows, dtype, attn.widen, attn.vector), [heads, kv, kv]
+        return None if qkv is None else lambda x: qkv(x).view(rows, heads + 2 * kv, d).split(split, 1)
+    q, k, v = (_product(p, rows, dtype) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if None in (q, k, v):
+        return None
+    return lambda x: (q(x).view(rows, heads, d), k(x).view(rows, kv, d), v(x).view(rows, kv, d))
+
+
+def _gate_up(mlp: nn.Module, rows: int, dtype: torch.dtype):
+    """x [rows, hidden] -> (gate, up): one fused product or two, or None."""
+    if mlp.fused is not None:
+        gate_up = mlp.fused.product(rows, dtype, mlp.widen, mlp.vector)
+        return None if gate_up is None else lambda x: gate_up(x).chunk(2, dim=-1)
+    gate, up = _product(mlp.gate_proj, rows, dtype), _product(mlp.up_proj, rows, dtype)
+    return None if gate is None or up is None else lambda x: (gate(x), up(x))
+
+
+def _attends_through_kernel(attn: nn.Module, view, dtype: torch.dtype) -> bool:
+    """Whether `attn`'s decode step runs `layers.rope_attention`'s kernel over `view` (what Attention.forward
+    checks each step, where it holds for every decode step of a static cache)."""
+    keys, values = getattr(view, "keys", None), getattr(view, "values", None)
+    d = attn.head_dim
+    return (
+        attn.kernel
+        and attn.grouped_decode
+        and attn.softcap is None
+        and getattr(view, "writes_at_slots", False)
+        and keys.device.type == "cpu"
+        and keys.dtype == values.dtype == dtype
+        and keys.shape == values.shape
+        and keys.stride(-1) == values.stride(-1) == 1
+        and keys.stride(2) == values.stride(2)
+        and kernel_heads(attn.num_heads, attn.num_kv_heads, d, dtype)
+        and d <= 512
+    )
+
+
+def _product(module: nn.Module, rows: int, dtype: torch.dtype):
+    product = getattr(module, "product", None)
+    return None if product is None else product(rows, dtype)
+
+
+def _hooked(layer: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+
+
+def _global_hooks() -> bool:
+    """Whether hooks for every module are registered (torch.nn.modules.module.register_module_forward_hook)."""
+    module = torch.nn.modules.module
+    return bool(
+        getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None)
+    )
