@@ -33,40 +33,64 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
+STEPS = 9  # decode steps of a run: 10 new tokens, the first from the prefill
+
+
 def with_and_without_programs(model, monkeypatch, rows: int, **overrides):
-    """(greedy run through the layer programs, greedy run through the modules, layers that ran as programs)."""
-    built = []
+    """(greedy run through the layer programs, greedy run through the modules, the layers that have programs).
+    Checks that each of those layers ran its program at every decode step."""
+    built, calls = [], {}
+
+    def counted(i, program):
+        def run(*args):
+            calls[i] = calls.get(i, 0) + 1
+            return program(*args)
+
+        return run
 
     def recording(*args):
         programs = decode_programs(*args)
-        built.append(0 if programs is None else programs.layers)
+        if programs is not None:
+            programs.by_layer = [p if p is None else counted(i, p) for i, p in enumerate(programs.by_layer)]
+            built.append([i for i, p in enumerate(programs.by_layer) if p is not None])
         return programs
 
     monkeypatch.setattr(tierlm.model, "decode_programs", recording)
     prompts = PROMPTS[:rows]
-    fast = greedy(model, prompts, max_new_tokens=10, min_new_tokens=10, **overrides)
+    fast = greedy(model, prompts, max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1, **overrides)
     monkeypatch.setattr(tierlm.model, "decode_programs", lambda *args: None)
-    slow = greedy(model, prompts, max_new_tokens=10, min_new_tokens=10, **overrides)
-    return fast, slow, built
+    slow = greedy(model, prompts, max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1, **overrides)
+    layers = built[0] if built else []
+    assert len(built) <= 1 and calls == dict.fromkeys(layers, STEPS), (built, calls)
+    return fast, slow, layers
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize(
-    "weights", ["float32", "bfloat16", "int8", "int4", "bfloat16 widened", "bfloat16 vector"]
+    "weights",
+    [
+        "float32",
+        "bfloat16",
+        "int8",
+        "int4",
+        "int8 float32",
+        "int4 float32",
+        "bfloat16 widened",
+        "bfloat16 vector",
+    ],
 )
 @pytest.mark.parametrize("rows", [1, 4])
 def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypatch, family, weights, rows):
     """The same products on the same tensors in the same order: every step's logits equal the module path's
-    exactly, in every precision (float, int8, int4 weights; the fp32-widened decode products of a CPU without
-    native bf16, for 4 rows; one-row products as torch.mv), and every layer that can runs as a program
-    (Gemma 3's sliding layers, whose cache is a ring, stay modules)."""
-    dtype, _, path = weights.partition(" ")
-    quantize = dtype if dtype in ("int8", "int4") else None
+    exactly, in every precision (float weights; int8, int4 weights with bf16 or fp32 activations; the
+    fp32-widened decode products of a CPU without native bf16, for 4 rows; one-row products as torch.mv), and
+    every layer that can runs its program at every step (Gemma 3's sliding layers, whose cache is a ring,
+    stay modules)."""
+    weights, _, path = weights.partition(" ")
+    quantize = weights if weights in ("int8", "int4") else None
+    dtype = "float32" if "float32" in (weights, path) else "bfloat16"
     model = tierlm.load(
-        checkpoints[family],
-        dtype="float32" if dtype == "float32" else "bfloat16",
-        quantize=quantize,
-        group_size=32 if quantize == "int4" else None,
+        checkpoints[family], dtype=dtype, quantize=quantize, group_size=32 if quantize == "int4" else None
     )
     if path == "widened":
         model.decoder.widen_prefill(True)
@@ -74,8 +98,8 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
         model.decoder.vector_products(eager=True)
     fast, slow, built = with_and_without_programs(model, monkeypatch, rows)
     decoder_layers = model.decoder.model.layers
-    full = sum(not sliding for sliding in model.decoder.sliding)
-    assert built == [full] and full > 0, built
+    full = [i for i, sliding in enumerate(model.decoder.sliding) if not sliding]
+    assert built == full and full, built
     if quantize == "int4":
         assert all(isinstance(layer.mlp.fused.packed, Int4Linear) for layer in decoder_layers)
     if quantize == "int8":
@@ -92,7 +116,7 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     """`product(rows, dtype)` computes what `forward` computes on [rows, 1, in], bit for bit, for each choice
     of kernel the module makes (widened and torch.mv products of a float Linear included)."""
     torch.manual_seed(rows)
-    linear = layers.Linear(128, 192, bias=bias)
+    linear = layers.Linear(128, 256, bias=bias)
     with torch.no_grad():
         linear.weight.normal_(0, 0.05)
         if bias:
@@ -101,8 +125,8 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     modules = {"plain": linear}
     if kind == "Linear":
         modules["widened"], modules["vector"] = (
-            layers.Linear(128, 192, bias=bias),
-            layers.Linear(128, 192, bias=bias),
+            layers.Linear(128, 256, bias=bias),
+            layers.Linear(128, 256, bias=bias),
         )
         for name in ("widened", "vector"):
             modules[name].load_state_dict(linear.state_dict())
@@ -112,14 +136,29 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     elif kind == "Int8Linear":
         modules = {"plain": Int8Linear.from_linear(linear, dtype)}
     else:
-        if dtype == torch.float32 and not kernels.reads_torch_int4():
-            pytest.skip("aten's CPU int4 product takes bf16 scales here")
         modules = {"plain": Int4Linear.from_linear(linear, 32, dtype)}
     x = torch.randn(rows, 1, 128).to(dtype)
     for name, module in modules.items():
         product = module.product(rows, dtype)
         assert product is not None, name
-        assert torch.equal(product(x.view(rows, 128)), module(x).view(rows, 192)), name
+        assert torch.equal(product(x.view(rows, 128)), module(x).view(rows, 256)), name
+
+
+@pytest.mark.parametrize("norm", [layers.RMSNorm, layers.GemmaRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_plain_norm_is_its_modules_forward(norm, dtype, weight_dtype, kernel):
+    """`plain(dtype)` computes what `forward` computes, bit for bit, on rows and on a strided view of
+    contiguous rows (a q/k norm's input), with the norm kernel on or off."""
+    module = norm(64, 1e-6)
+    with torch.no_grad():
+        module.weight.uniform_(-0.5, 1.5)
+    module = module.to(weight_dtype)
+    module.kernel = kernel
+    x = torch.randn(3, 3 * 64).to(dtype)
+    for rows in (x[:, :64].contiguous(), x.view(3, 3, 64)[:, 1:]):
+        assert torch.equal(module.plain(dtype)(rows), module(rows))
 
 
 def test_streamed_layers_run_as_modules_and_fetch_their_weights(checkpoints, tmp_path, monkeypatch):
@@ -132,24 +171,53 @@ def test_streamed_layers_run_as_modules_and_fetch_their_weights(checkpoints, tmp
     model = tierlm.load(checkpoints["llama"], dtype="float32", device_map=device_map, offload_folder=tmp_path)
     fetches = model.streamer.fetches
     fast, slow, built = with_and_without_programs(model, monkeypatch, 2)
-    assert built == [1]
+    assert built == [0]
     assert model.streamer.fetches - fetches >= 2 * 10  # both runs fetched layer 1 at every step
     assert fast.tokens == slow.tokens == expected.tokens
     assert torch.equal(fast.logits, slow.logits)
 
 
-def test_a_hooked_layer_runs_as_a_module(checkpoints, monkeypatch):
-    """A forward hook on a layer (or under it) still runs: that layer has no program."""
-    model = tierlm.load(checkpoints["llama"], dtype="bfloat16")
+@pytest.mark.parametrize("where", ["mlp", "fused int8 product"])
+def test_a_hooked_layer_runs_as_a_module(checkpoints, monkeypatch, where):
+    """A forward hook on a layer, on a module under it or on a fused product's linear (which is no module of
+    the layer) still runs: that layer has no program."""
+    model = tierlm.load(checkpoints["llama"], dtype="bfloat16", quantize="int8")
+    layer = model.decoder.model.layers[1]
     calls = []
-    handle = model.decoder.model.layers[1].mlp.register_forward_hook(lambda *_: calls.append(1))
+    hooked = layer.mlp if where == "mlp" else layer.mlp.fused.packed
+    handle = hooked.register_forward_hook(lambda *_: calls.append(1))
     try:
         fast, slow, built = with_and_without_programs(model, monkeypatch, 1)
     finally:
         handle.remove()
-    assert built == [1]
-    assert len(calls) == 2 * (1 + 9)  # each run: the prefill and nine decode steps through the module
+    assert built == [0]
+    assert len(calls) == 2 * (1 + STEPS)  # each run: the prefill and every decode step through the module
     assert torch.equal(fast.logits, slow.logits)
+
+
+def test_programs_run_over_their_own_static_cache_only(checkpoints):
+    """No programs for a dynamic cache or a continuous batch's slots (no static view a step writes at its
+    slot); a forward given programs with another cache is an error, not a write into the wrong cache."""
+    from tierlm.cache import DynamicCache
+    from tierlm.generation.slots import SlotCache
+
+    model = tierlm.load(checkpoints["llama"], dtype="bfloat16")
+    decoder, cfg = model.decoder, model.config
+    assert decode_programs(decoder, DynamicCache(cfg, 1, "cpu")) is None
+    slots = SlotCache(model.static_cache(2, 64), 2)
+    assert decode_programs(decoder, slots) is None
+    programs = decode_programs(decoder, model.static_cache(1, 64))
+    assert programs is not None and programs.layers == 2
+    other = model.static_cache(1, 128)
+    model.decoder.ensure_rope(128, "cpu")
+    with pytest.raises(ValueError, match="the cache they were made for"):
+        decoder(
+            torch.tensor([[5]]),
+            positions=torch.tensor([[0]]),
+            cache=other,
+            slots=torch.tensor([0]),
+            programs=programs,
+        )
 
 
 def test_the_default_model_decodes_through_programs_bit_for_bit(default_model_path, monkeypatch):
@@ -157,5 +225,5 @@ def test_the_default_model_decodes_through_programs_bit_for_bit(default_model_pa
     30 layers run as programs, with the module path's logits exactly."""
     model = tierlm.load(default_model_path)
     fast, slow, built = with_and_without_programs(model, monkeypatch, 1)
-    assert built == [30]
+    assert built == list(range(30))
     assert torch.equal(fast.logits, slow.logits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,7 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def product(self, rows: int, dtype: torch.dtype):
+    def product(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for a contiguous CPU input [rows, in_features] of `dtype`, eagerly, as one plain function
         with this module's choices made for that shape (an eager decode step's layer program:
         tierlm.models.programs); None where forward runs a path that has no such function."""
@@ -281,7 +282,7 @@ class Int4Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def product(self, rows: int, dtype: torch.dtype):
+    def product(self, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for a contiguous CPU input [rows, in_features] of `dtype`, as Int8Linear.product does."""
         w, group, sz = self.weight_int4, self.group_size, self.scales_and_zeros
         if w.device.type != "cpu" or dtype != sz.dtype:
@@ -350,7 +351,7 @@ class Int4Linear(nn.Module):
         )
 
 
-def _plus_bias(product, bias: torch.Tensor | None, dtype: torch.dtype):
+def _plus_bias(product: Callable, bias: torch.Tensor | None, dtype: torch.dtype) -> Callable:
     """`product`, then + bias in `dtype` (as forward adds it), when there is a bias."""
     if bias is None:
         return product

@@ -194,12 +194,14 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if cfg.family.embed_scale:
             x = x * self.embed_scales[x.dtype]
-        step = programs.programs if programs is not None and s == 1 and b == programs.rows else None
+        if programs is not None and (programs.cache is not cache or layer_fn is not None):
+            raise ValueError("layer programs run over the cache they were made for, without a layer_fn")
+        by_layer = programs.by_layer if programs is not None and s == 1 and b == programs.rows else None
         for i, layer in enumerate(self.model.layers):
             kind = 1 if self.sliding[i] else 0  # an int: dynamo (torch 2.11) rejects a bool index
             r, m = ropes[kind], masks[kind]
-            if step is not None and step[i] is not None:
-                x = step[i](x, r, m, slots)
+            if by_layer is not None and by_layer[i] is not None:
+                x = by_layer[i](x, r, m, slots)
             elif layer_fn is None:
                 x = layer(x, r, m, cache, slots, length)
             else:  # one compiled layer body for every layer; each gets its own view of the cache

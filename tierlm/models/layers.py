@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     initial = 1.0  # the weight a new norm starts from (checkpoints overwrite it)
+    gemma = False  # Gemma's: scales by (1 + weight) in fp32 (GemmaRMSNorm)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,47 +31,49 @@ class RMSNorm(nn.Module):
         self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and _kernel_norm(x, self.weight) and self.weight.dtype == x.dtype:
-            return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, False)
+        if self._kernel_takes(x.dtype) and _kernel_norm(x):
+            return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, self.gemma)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, scale in the input dtype (as Hugging Face does, for identical rounding).
         return self.weight * _normalized(x, self.eps).to(x.dtype)
 
-    def plain(self, dtype: torch.dtype):
-        """`forward` for CPU inputs of `dtype` as a plain function, the kernel chosen now (an eager decode
-        step's layer program, tierlm.models.programs)."""
-        weight, eps, gemma = self.weight, self.eps, isinstance(self, GemmaRMSNorm)
-        same = gemma or weight.dtype == dtype
-        if self.kernel and dtype == torch.bfloat16 and weight.dtype in _KERNEL_DTYPES and same:
-            norm = torch.ops.tierlm_avx2.rms_norm
-            return lambda x: norm(x.contiguous(), weight, eps, gemma)
-        return self.forward
+    def _kernel_takes(self, dtype: torch.dtype) -> bool:
+        """Whether inputs of `dtype` run on tierlm's norm kernel (eager CPU rows: `_kernel_norm`): bf16, and a
+        weight of the same dtype (Gemma's: fp32 too)."""
+        weight = self.weight.dtype
+        same = self.gemma or weight == dtype
+        return self.kernel and dtype == torch.bfloat16 and weight in _KERNEL_DTYPES and same
+
+    def plain(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` for eager CPU inputs of `dtype` whose rows are contiguous, as a plain function with the
+        kernel chosen now (an eager decode step's layer program, tierlm.models.programs)."""
+        if not self._kernel_takes(dtype):
+            return self.reference
+        norm, weight, eps, gemma = torch.ops.tierlm_avx2.rms_norm, self.weight, self.eps, self.gemma
+        return lambda x: norm(x.contiguous(), weight, eps, gemma)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), in fp32, then rounds to the input dtype (as HF does)."""
 
     initial = 0.0
+    gemma = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and _kernel_norm(x, self.weight):
-            return torch.ops.tierlm_avx2.rms_norm(x.contiguous(), self.weight, self.eps, True)
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def _kernel_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an RMSNorm runs as tierlm's kernel (rms_norm): eager (a compiled step fuses the norm into its
-    neighbours anyway), bf16 on the CPU, rows contiguous (the kernel gets x.contiguous()). One call instead
+def _kernel_norm(x: torch.Tensor) -> bool:
+    """Whether an RMSNorm whose kernel takes x's dtype (`RMSNorm._kernel_takes`: bf16) runs x as tierlm's kernel
+    (rms_norm): eager (a compiled step fuses the norm into its neighbours anyway), on the CPU, rows contiguous
+    (the kernel gets x.contiguous()). One call instead
     of ~8 small ops (~20 against 3.5 us for the default model's 576 wide norm, 2 threads of a Zen 4 at AVX2;
     an eager decode step runs 61 of them; int4 eager decode 92.5 -> 111.6 tok/s, interleaved). The same formula in fp32, the sum of
     squares in another order: a few elements a step may round to the neighbouring bf16 value (greedy logits
     within bf16's tolerance of aten's: tests/test_attention.py); fp32 keeps aten's (the exact reference)."""
-    return (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.dtype in _KERNEL_DTYPES
-        and x.stride(-1) == 1
-        and not torch.compiler.is_compiling()
-    )
+    return x.device.type == "cpu" and x.stride(-1) == 1 and not torch.compiler.is_compiling()
 
 
 WIDE_ROWS = 4  # an eager decode step of at least this many rows is a matrix-matrix product too
@@ -125,9 +130,12 @@ def _wide_decode(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows >= WIDE_ROWS and small and not torch.compiler.is_compiling()
 
 
+Product = Callable[[torch.Tensor], torch.Tensor]  # x [rows, in] -> y [rows, out]
+
+
 def linear_product(
     weight: torch.Tensor, bias: torch.Tensor | None, widen: bool, vector: int, rows: int, dtype: torch.dtype
-):
+) -> Product:
     """`linear` for an eager decode step of `rows` rows of `dtype` (one position each) on the CPU, as a plain
     function of x [rows, in], its choices made now (an eager decode step's layer program,
     tierlm.models.programs). The same products as `linear` on x [rows, 1, in]."""
@@ -153,7 +161,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.widen, self.vector)
 
-    def product(self, rows: int, dtype: torch.dtype):
+    def product(self, rows: int, dtype: torch.dtype) -> Product:
         """`forward` for a decode step's CPU input [rows, in_features] as a plain function (`linear_product`)."""
         return linear_product(self.weight, self.bias, self.widen, self.vector, rows, dtype)
 
@@ -180,7 +188,9 @@ class FusedProjections:
             return self.packed(x)
         return linear(x, self.weight, self.bias, widen, vector)
 
-    def product(self, rows: int, dtype: torch.dtype, widen: bool, vector: int = VECTOR_EAGER):
+    def product(
+        self, rows: int, dtype: torch.dtype, widen: bool, vector: int = VECTOR_EAGER
+    ) -> Product | None:
         """`__call__` for a decode step's CPU input [rows, in] as a plain function, or None (`product` of the
         packed linear, or `linear_product`)."""
         if self.packed is not None:

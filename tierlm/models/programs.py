@@ -15,7 +15,7 @@ watches it (a streamed layer fetches its weights in hooks). Any other layer runs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -27,18 +27,19 @@ Program = Callable[..., torch.Tensor]  # program(x [rows, 1, hidden], rope, mask
 
 
 class DecodePrograms:
-    """Per layer of a decoder, its program for decode steps of `rows` rows over one static cache, or None."""
+    """Per layer of a decoder, its program for decode steps of `rows` rows over `cache` (a static cache), or
+    None (the layer runs as a module)."""
 
-    def __init__(self, programs: list[Program | None], rows: int) -> None:
-        self.programs, self.rows = programs, rows
+    def __init__(self, layers: list[Program | None], rows: int, cache) -> None:
+        self.by_layer, self.rows, self.cache = layers, rows, cache
 
     @property
     def layers(self) -> int:
         """How many layers run as programs."""
-        return sum(p is not None for p in self.programs)
+        return sum(p is not None for p in self.by_layer)
 
 
-def decode_programs(decoder: nn.Module, cache, skip: set[int] = frozenset()) -> DecodePrograms | None:
+def decode_programs(decoder: nn.Module, cache, skip: Collection[int] = ()) -> DecodePrograms | None:
     """Programs for the eager decode steps of `decoder` over `cache` (a static cache: one view per layer), or
     None where no layer has one. skip: id() of layer modules that must run as modules (streamed ones)."""
     views = getattr(cache, "views", None)
@@ -50,7 +51,7 @@ def decode_programs(decoder: nn.Module, cache, skip: set[int] = frozenset()) -> 
         None if id(layer) in skip else layer_program(layer, view, rows, dtype)
         for layer, view in zip(decoder.model.layers, views)
     ]
-    return DecodePrograms(programs, rows) if any(p is not None for p in programs) else None
+    return DecodePrograms(programs, rows, cache) if any(p is not None for p in programs) else None
 
 
 def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Program | None:
@@ -137,7 +138,11 @@ def _product(module: nn.Module, rows: int, dtype: torch.dtype):
 
 
 def _hooked(layer: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+    """Whether a forward hook watches the layer or a module it calls, fused products' own linears included
+    (a FusedProjections is no module: its linear is not among the layer's modules)."""
+    fused = (getattr(getattr(layer, part, None), "fused", None) for part in ("self_attn", "mlp"))
+    packed = [f.packed for f in fused if f is not None and f.packed is not None]
+    return any(m._forward_hooks or m._forward_pre_hooks for m in (*layer.modules(), *packed))
 
 
 def _global_hooks() -> bool:
