@@ -16,9 +16,14 @@ from tierlm.models import layers
 from tierlm.models.programs import decode_programs
 from tierlm.quant import Int4Linear, Int8Linear
 
-pytestmark = pytest.mark.skipif(
-    kernels.selected() is None, reason="layer programs run where tierlm's CPU attention kernel is built"
-)
+
+@pytest.fixture(autouse=True)
+def _attention_kernel():
+    """Layer programs run where tierlm's CPU attention kernel is built (asked here, not at collection, which
+    runs before conftest's session cache is set)."""
+    if kernels.selected() is None:
+        pytest.skip("layer programs run where tierlm's CPU attention kernel is built")
+
 
 # Shapes whose int4 projections fuse (parts of a multiple of 64 rows) and suit every kernel
 WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
