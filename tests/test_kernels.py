@@ -1,6 +1,6 @@
 """tierlm's int4/int8 CPU kernels (tierlm.kernels): their math against an exact product, the error bound of
 their int16 activations, and where quantized linears use them. On an AVX512 CPU the int8 product runs its
-AVX-512 loop, and the int4 tests run only where torch packs int4 as the kernel reads (AVX2).
+AVX-512 loop, and the int4 product reads torch's AVX-512 packing (blocks of 64 rows) with one of its own.
 
 The kernels quantize each row of x to int16 in blocks of 32 (scale = the block's largest |x| / 32767, round
 to nearest even), then multiply exactly in integers and accumulate in float. So two checks hold on any CPU
@@ -34,10 +34,19 @@ def ops():
 
 
 @pytest.fixture(scope="module")
-def ops4(ops):
-    if not kernels.reads_torch_int4():
-        pytest.skip("torch packs int4 in another layout here (AVX-512: blocks of 64 rows); aten's int4 runs")
-    return ops
+def int4(ops):
+    """(the kernels, the rows per block of torch's int4 packing here: `kernels.int4_block`)."""
+    if kernels.int4_block() is None:
+        pytest.skip("the int4 kernel does not read torch's int4 packing here; aten's int4 runs")
+    return ops, kernels.int4_block()
+
+
+def pack_in_blocks_of_32(codes: torch.Tensor) -> torch.Tensor:
+    """torch's AVX2 int4 packing, written out: in each block of 32 rows, byte (k, j) holds column k of row j
+    in its low nibble and of row 16 + j in its high one."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).view(n // 32, 2, 16, k)  # [block, low/high half, row j, column]
+    return (blocks[:, 0] | blocks[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
 
 
 def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,14 +84,20 @@ def make_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k", "group"), [(32, 32, 32), (96, 576, 32), (64, 576, 64), (256, 1536, 128)])
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [(32, 32, 32), (96, 576, 32), (64, 32, 32), (192, 576, 32), (64, 576, 64), (256, 1536, 128)],
+)
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_int4_matches_the_exact_product_of_its_quantized_activations(ops4, dtype, n, k, group, m):
+def test_int4_matches_the_exact_product_of_its_quantized_activations(int4, dtype, n, k, group, m):
+    ops, block = int4
+    if n % block:
+        pytest.skip(f"torch packs int4 in blocks of {block} rows here")
     lin = torch.nn.Linear(k, n, bias=False)
     torch.nn.init.normal_(lin.weight, std=0.05, generator=torch.Generator().manual_seed(n + k))
     q = Int4Linear.from_linear(lin, group, dtype)
     x = make_x(m, k, dtype, seed=m)
-    y = ops4.int4_mm(x, q.weight_int4, group, q.scales_and_zeros)
+    y = ops.int4_mm(x, q.weight_int4, group, q.scales_and_zeros, block)
     assert y.dtype == dtype and y.shape == (m, n)
     check(y.float() if dtype == torch.float32 else y, x, q.dequantize())
 
@@ -114,7 +129,7 @@ def test_int8_rows_are_the_same_bits_alone_or_in_a_batch(ops, dtype):
 
 def mixed_input():
     torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 32, bias=False)
+    lin = torch.nn.Linear(64, 64, bias=False)
     return lin, make_x(3, 64, torch.float32, seed=3)  # fp32 activations, against bf16 scales below
 
 
@@ -132,20 +147,43 @@ def test_int8_mixed_dtypes_no_rows_and_non_finite_activations(ops):
     y8 = ops.int8_mm(x, q8.weight_int8, q8.scales)
     assert y8.dtype == torch.float32
     check(y8, x, q8.dequantize())
-    assert ops.int8_mm(x[:0], q8.weight_int8, q8.scales).shape == (0, 32)
+    assert ops.int8_mm(x[:0], q8.weight_int8, q8.scales).shape == (0, 64)
     # a NaN or infinity reaches every output of its row, as it does through aten's kernels; other rows stay
     for xb in non_finite(x):
         y8 = ops.int8_mm(xb, q8.weight_int8, q8.scales)
         assert y8[1].isnan().all() and y8[[0, 2]].isfinite().all()
 
 
-def test_int4_no_rows_and_non_finite_activations(ops4):
-    lin, x = mixed_input()
+def test_int4_no_rows_and_non_finite_activations(int4):
+    (ops, block), (lin, x) = int4, mixed_input()
     q4 = Int4Linear.from_linear(lin, 32, torch.bfloat16)
-    assert ops4.int4_mm(x[:0].bfloat16(), q4.weight_int4, 32, q4.scales_and_zeros).shape == (0, 32)
+    assert ops.int4_mm(x[:0].bfloat16(), q4.weight_int4, 32, q4.scales_and_zeros, block).shape == (0, 64)
     for xb in non_finite(x):
-        y4 = ops4.int4_mm(xb, q4.weight_int4, 32, q4.scales_and_zeros)
+        y4 = ops.int4_mm(xb, q4.weight_int4, 32, q4.scales_and_zeros, block)
         assert y4[1].isnan().all() and y4[[0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_blocks_of_64_give_the_bits_of_blocks_of_32(int4, dtype, m):
+    """The AVX-512 build's product on torch's AVX-512 packing (blocks of 64 rows) sums each row as the product
+    on the AVX2 packing (blocks of 32) does: the same bits, so AVX2 and AVX-512 CPUs decode int4 alike."""
+    ops, block = int4
+    torch.manual_seed(m)
+    n, k = 192, 576
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    if block == 32:  # an AVX2 build, which reads blocks of 32 only: the packing written out is torch's here
+        assert torch.equal(
+            pack_in_blocks_of_32(codes), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        )
+        return
+    sz = torch.stack([torch.rand(k // 32, n) / 10, torch.randn(k // 32, n) / 10], dim=-1).to(dtype)
+    x = make_x(m, k, dtype, seed=m)
+    by64 = ops.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), 32, sz, 64)
+    by32 = ops.int4_mm(x, pack_in_blocks_of_32(codes), 32, sz, 32)
+    assert torch.equal(by64, by32)
+    with pytest.raises(RuntimeError, match="N of the block"):
+        ops.int4_mm(x, pack_in_blocks_of_32(codes[:96]), 32, sz[:, :96].contiguous(), 64)
 
 
 def test_bad_shapes_are_one_clear_error(ops):
@@ -158,7 +196,7 @@ def test_bad_shapes_are_one_clear_error(ops):
 
 def linears(dtype=torch.bfloat16):
     torch.manual_seed(0)
-    lin = torch.nn.Linear(576, 96, bias=True)
+    lin = torch.nn.Linear(576, 128, bias=True)
     return Int4Linear.from_linear(lin, 32, dtype), Int8Linear.from_linear(lin, dtype)
 
 
@@ -168,14 +206,20 @@ def test_quantized_linears_use_the_kernels_where_the_cpu_selects_them(ops, monke
     monkeypatch.setattr(cpu, "detect", lambda: features)
     assert features.int_kernels and "tierlm's" in features.kernels()
     q4, q8 = linears()
-    assert q8.kernel and q4.kernel == kernels.reads_torch_int4()
-    x = torch.randn(2, 5, 576, dtype=torch.bfloat16)
-    x2d = x.reshape(-1, 576)
-    if q4.kernel:
-        want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros) + q4.bias
-        assert torch.equal(q4(x), want4.reshape(2, 5, 96))
-    want8 = ops.int8_mm(x2d, q8.weight_int8, q8.scales) + q8.bias
-    assert torch.equal(q8(x), want8.reshape(2, 5, 96))
+    assert q8.kernel and q4.kernel == (kernels.int4_block() is not None)
+    for rows in (1, 2, 3, 5):  # the AVX-512 packing's products of more than 2 rows are aten's
+        x = torch.randn(rows, 1, 576, dtype=torch.bfloat16)
+        x2d = x.reshape(-1, 576)
+        if q4.kernel and (q4.block == 32 or rows <= 2):
+            want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros, q4.block) + q4.bias
+        else:
+            want4 = (
+                torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, q4.weight_int4, 32, q4.scales_and_zeros)
+                + q4.bias
+            )
+        assert torch.equal(q4(x), want4.reshape(rows, 1, 128))
+        want8 = ops.int8_mm(x2d, q8.weight_int8, q8.scales) + q8.bias
+        assert torch.equal(q8(x), want8.reshape(rows, 1, 128))
 
 
 @pytest.mark.parametrize("why", ["aten", "arm"])
@@ -203,7 +247,7 @@ def test_a_compiled_graph_calls_the_kernels(ops, monkeypatch):
     monkeypatch.setattr(cpu, "detect", lambda: AVX2)
     q4, q8 = linears()
     model = torch.nn.Sequential(
-        q4, torch.nn.GELU(), torch.nn.Linear(96, 576, dtype=torch.bfloat16), q8
+        q4, torch.nn.GELU(), torch.nn.Linear(128, 576, dtype=torch.bfloat16), q8
     ).eval()
     x = torch.randn(1, 576, dtype=torch.bfloat16)
     torch._dynamo.reset()

@@ -92,29 +92,32 @@ def test_int4_linear_matches_dequantized_reference(dtype, group_size):
 @pytest.mark.parametrize("kernels", ["aten", "avx2"])
 def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
     """aten's kernels, or tierlm's where the CPU selects them (tests/test_kernels.py checks their math; int4
-    only where torch packs it as tierlm's kernel reads); the fp32-activation fallback below holds either
-    way."""
+    where tierlm's kernel reads torch's packing, and on its AVX-512 packing for up to
+    KERNEL_ROWS_IN_BLOCKS_OF_64 rows); the fp32-activation fallback below holds either way."""
     from tierlm import cpu
     from tierlm import kernels as tierlm_kernels
 
+    aten4 = "_weight_int4pack_mm_for_cpu.default"
     if kernels == "aten":
         monkeypatch.setenv("TIERLM_CPU_KERNELS", "aten")
-        ops = ("_weight_int8pack_mm.default", "_weight_int4pack_mm_for_cpu.default")
+        ops = {rows: ("_weight_int8pack_mm.default", aten4) for rows in (1, 5)}
     else:
         monkeypatch.delenv("TIERLM_CPU_KERNELS", raising=False)
         monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures("simulated", "AVX2", False))
         if tierlm_kernels.loaded() is None:
             pytest.skip("tierlm's kernels do not build or load here")
-        int4 = (
-            "int4_mm.default" if tierlm_kernels.reads_torch_int4() else "_weight_int4pack_mm_for_cpu.default"
-        )
-        ops = ("int8_mm.default", int4)
+        block = tierlm_kernels.int4_block()
+        ops = {
+            1: ("int8_mm.default", aten4 if block is None else "int4_mm.default"),
+            5: ("int8_mm.default", "int4_mm.default" if block == 32 else aten4),
+        }
     linear = random_linear(128, 64)
-    x = random_input(128, torch.bfloat16)
-    for module, op in [(Int8Linear.from_linear(linear), ops[0]), (Int4Linear.from_linear(linear), ops[1])]:
-        with OpRecorder() as rec:
-            module(x)
-        assert op in rec.ops, rec.ops
+    for rows, (int8, int4) in ops.items():
+        x = random_input(128, torch.bfloat16, rows)
+        for module, op in [(Int8Linear.from_linear(linear), int8), (Int4Linear.from_linear(linear), int4)]:
+            with OpRecorder() as rec:
+                module(x)
+            assert op in rec.ops, (rows, rec.ops)
 
 
 def test_int8_error_against_float_linear_is_small():

@@ -12,8 +12,8 @@ and prefill alike (measured against aten's, 2 threads, on a Zen 3: 1.5-2.4x fast
 1.3x faster for 3072 x 576, 0.85x for 576 x 1536). On an AVX512 CPU the file is built with AVX-512 flags,
 which gives the int8 product a 512-bit loop (on an AMX Xeon, Gemma 3's five product shapes, 2 threads: at 1
 row 1.4-2.4x aten's int8 and 2.5-3.8x torch.mv in bf16; at 8 rows 0.85-2.3x aten's, 0.8-1.8x bf16's, the
-LM head the 2.3x / 1.4x); its int4 product is used only where torch packs
-int4 as it reads (AVX2: `reads_torch_int4`), since torch packs AVX-512 int4 in blocks of 64 rows.
+LM head the 2.3x / 1.4x); its int4 product reads torch's own int4 packing,
+in blocks of 32 rows on AVX2 and, in the AVX-512 build, of 64 rows on AVX512 (`int4_block`).
 
 The C++ is compiled once per machine with torch's extension builder (the C++ compiler inductor already
 needs, and ninja, a dependency) into `<cache>/kernels/<digest>` ($TIERLM_KERNELS_DIR instead of
@@ -108,7 +108,7 @@ def _build():
     ops = getattr(torch.ops, LIBRARY)
 
     @torch.library.register_fake(f"{LIBRARY}::int4_mm")
-    def _(x, packed, group_size, scales_and_zeros):
+    def _(x, packed, group_size, scales_and_zeros, block=32):
         return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
     @torch.library.register_fake(f"{LIBRARY}::int8_mm")
@@ -161,7 +161,7 @@ def _remove_dead_builds(root: Path) -> None:
 
 
 def selected():
-    """torch.ops.tierlm_avx2 (int8_mm; int4_mm where `reads_torch_int4`) when this process uses them, else
+    """torch.ops.tierlm_avx2 (int8_mm; int4_mm where `int4_block` finds a layout) when this process uses them, else
     None."""
     return loaded() if wanted() else None
 
@@ -179,24 +179,33 @@ def loaded():
 
 
 @functools.cache
-def reads_torch_int4() -> bool:
-    """Whether torch packs int4 in the layout the int4 kernel reads (blocks of 32 rows, row 16 + j in the high
-    nibble: torch's AVX2 packing): random codes, so that every row and column differs, through both kernels."""
+def int4_block() -> int | None:
+    """The rows in a block of torch's CPU int4 packing here, where the int4 kernel reads it: 32 (torch's
+    AVX2 packing, row 16 + j in a byte's high nibble) or 64 (its AVX-512 packing, row 32 + j; read by the
+    kernel's AVX-512 build); else None. Random codes, so that every row and column differs, through torch's
+    product and the kernel's."""
     import torch
 
     ops = loaded()
     if ops is None:
-        return False
-    n, k = 64, 64
+        return None
+    n, k = 128, 64
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     except RuntimeError:
-        return False
+        return None
     if packed.numel() * 2 != n * k:
-        return False
+        return None
     sz = torch.stack([torch.ones(k // 32, n), torch.zeros(k // 32, n)], dim=-1)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(1))
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
-    # a misread row or nibble is off by whole codes times |x|; the kernel's int16 activations by ~1e-4
-    return torch.allclose(ops.int4_mm(x, packed, 32, sz), want, rtol=1e-3, atol=1e-2)
+    for block in (32, 64):
+        try:
+            got = ops.int4_mm(x, packed, 32, sz, block)
+        except RuntimeError:  # 64 in a build without AVX-512
+            continue
+        # a misread row or nibble is off by whole codes times |x|; the kernel's int16 activations by ~1e-4
+        if torch.allclose(got, want, rtol=1e-3, atol=1e-2):
+            return block
+    return None

@@ -12,7 +12,9 @@
 //
 // int4: the weight layout and the scales are torch's own on an AVX2 CPU (aten._convert_weight_to_int4pack_for_cpu
 // and _weight_int4pack_mm_for_cpu): in each block of 32 rows, byte (k, j) holds column k of row j in its low
-// nibble and of row 16 + j in its high one; scales_and_zeros is [K/g, N, 2] and w = (q - 8) * s + z.
+// nibble and of row 16 + j in its high one; scales_and_zeros is [K/g, N, 2] and w = (q - 8) * s + z. The
+// AVX-512 build also reads torch's AVX-512 layout, blocks of 64 rows with row 32 + j in the high nibble
+// (int4_rows64; int4_mm's `block`).
 // int8: the weight is int8 [N, K] row-major with a scale per row (aten._weight_int8pack_mm's inputs).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -162,6 +164,77 @@ void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
+#if defined(__AVX512BW__)
+// scale and zero of 16 consecutive rows from an interleaved (scale, zero) row of [.., N, 2]
+template <typename T>
+inline void load_scale_zero16(const T* sz, __m512& s, __m512& z);
+
+template <>
+inline void load_scale_zero16<float>(const float* sz, __m512& s, __m512& z) {
+  const __m512 a = _mm512_loadu_ps(sz), b = _mm512_loadu_ps(sz + 16);  // s0 z0 s1 z1 ... s15 z15
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  s = _mm512_permutex2var_ps(a, even, b);
+  z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+}
+
+template <>
+inline void load_scale_zero16<c10::BFloat16>(const c10::BFloat16* sz, __m512& s, __m512& z) {
+  const __m512i v = _mm512_loadu_si512(sz);  // per int32: scale low, zero high
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// int4_rows32 for torch's AVX-512 packing, one block of 64 rows (byte (k, j) holds column k of row j in its
+// low nibble and of row 32 + j in its high one): out[0..63]. Each row's sums are int4_rows32's, in its order
+// (exact int32 sums per block of 32 columns, then the same two fmas), so the same bits on either packing.
+template <typename T>
+void int4_rows64(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g, const int16_t* xq,
+                 const float* d, const float* xs, float* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  // qwords (c: rows 0-7, 8-15, 16-23, 24-31 | c+1: the same) -> 128-bit lanes (rows 8i..8i+7 of c, of c+1)
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+  // in each 128-bit lane, bytes 0-7 (column c) and 8-15 (column c + 1) interleaved into byte pairs
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+  __m512 acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t nb = k / QB;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t k0 = b * QB;
+    for (int line = 0; line < 16; ++line)  // the block's 32 columns are 16 cache lines
+      _mm_prefetch(reinterpret_cast<const char*>(w + k0 * 32 + PREFETCH + 64 * line), _MM_HINT_T0);
+    for (int64_t c = k0; c < k0 + QB; c += 2) {
+      const __m512i v = _mm512_loadu_si512(w + c * 32);
+      const __m512i t = _mm512_shuffle_epi8(_mm512_permutexvar_epi64(order, v), pairs);
+      int32_t pair;
+      std::memcpy(&pair, xq + c, 4);
+      const __m512i xp = _mm512_set1_epi32(pair);
+      const __m512i lo = _mm512_and_si512(t, low), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+      // per 128-bit lane i: rows 8i..8i+3 (unpacklo), 8i+4..8i+7 (unpackhi); hi: 32 more
+      a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_unpacklo_epi8(lo, zero), xp));
+      a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_unpackhi_epi8(lo, zero), xp));
+      a2 = _mm512_add_epi32(a2, _mm512_madd_epi16(_mm512_unpacklo_epi8(hi, zero), xp));
+      a3 = _mm512_add_epi32(a3, _mm512_madd_epi16(_mm512_unpackhi_epi8(hi, zero), xp));
+    }
+    // lanes (a0: 0-3, 8-11, 16-19, 24-27; a1: 4-7, 12-15, 20-23, 28-31) -> rows 0-15, 16-31 (and 32-63 of a2, a3)
+    const __m512i lo01 = _mm512_shuffle_i32x4(a0, a1, 0x44), hi01 = _mm512_shuffle_i32x4(a0, a1, 0xEE);
+    const __m512i lo23 = _mm512_shuffle_i32x4(a2, a3, 0x44), hi23 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
+    const __m512i rows[4] = {_mm512_shuffle_i32x4(lo01, lo01, 0xD8), _mm512_shuffle_i32x4(hi01, hi01, 0xD8),
+                             _mm512_shuffle_i32x4(lo23, lo23, 0xD8), _mm512_shuffle_i32x4(hi23, hi23, 0xD8)};
+    const int64_t group = k0 / g;
+    const __m512 db = _mm512_set1_ps(d[b]), xsb = _mm512_set1_ps(xs[b]), eight = _mm512_set1_ps(8.f);
+    const T* szg = sz + group * n * 2;
+    for (int i = 0; i < 4; ++i) {
+      __m512 s, z;
+      load_scale_zero16<T>(szg + i * 32, s, z);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rows[i]), _mm512_mul_ps(s, db), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, s, z), xsb, acc[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+#endif
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -305,28 +378,46 @@ void with_types(const at::Tensor& scales, at::Tensor& out, F&& f) {
   }
 }
 
+// block: the rows of the packing's blocks, 32 (torch's AVX2 packing) or 64 (its AVX-512 one: the AVX-512 build)
 template <typename T, typename Y>
-void int4_run(const Quantized& x, int64_t m, int64_t k, const uint8_t* w, const T* sz, int64_t n, int64_t g, Y* o) {
+void int4_run(const Quantized& x, int64_t m, int64_t k, const uint8_t* w, const T* sz, int64_t n, int64_t g,
+              int64_t block, Y* o) {
   const int64_t nb = k / QB;
-  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    float tmp[32];
+  at::parallel_for(0, n / block, 1, [&](int64_t begin, int64_t end) {
+    float tmp[64];
     for (int64_t rb = begin; rb < end; ++rb) {
+      const uint8_t* wb = w + rb * block / 2 * k;
       for (int64_t r = 0; r < m; ++r) {
-        int4_rows32<T>(w + rb * 16 * k, sz + rb * 64, n, k, g, x.q.data() + r * k, x.d.data() + r * nb,
-                       x.s.data() + r * nb, tmp);
-        store(o + r * n + rb * 32, tmp, 32);
+        const int16_t* xr = x.q.data() + r * k;
+#if defined(__AVX512BW__)
+        if (block == 64)
+          int4_rows64<T>(wb, sz + rb * 128, n, k, g, xr, x.d.data() + r * nb, x.s.data() + r * nb, tmp);
+        else
+#endif
+          int4_rows32<T>(wb, sz + rb * 64, n, k, g, xr, x.d.data() + r * nb, x.s.data() + r * nb, tmp);
+        store(o + r * n + rb * block, tmp, block);
       }
     }
   });
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz) {
+#if defined(__AVX512BW__)
+constexpr bool BLOCKS_OF_64 = true;
+#else
+constexpr bool BLOCKS_OF_64 = false;
+#endif
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz,
+                   int64_t block) {
   check_x(x, "int4_mm");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.size(0) * group_size == k && sz.is_contiguous(),
               "int4_mm: scales_and_zeros must be contiguous [K/g, N, 2]");
   const int64_t n = sz.size(1);
-  TORCH_CHECK(k % QB == 0 && group_size % QB == 0 && n % 32 == 0, "int4_mm: K and the group size must be multiples of 32, N of 32");
+  TORCH_CHECK(block == 32 || (block == 64 && BLOCKS_OF_64),
+              "int4_mm: blocks of 32 rows, or of 64 in the AVX-512 build");
+  TORCH_CHECK(k % QB == 0 && group_size % QB == 0 && n % block == 0,
+              "int4_mm: K and the group size must be multiples of 32, N of the block");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 && packed.size(0) == n &&
                   packed.size(1) * 2 == k,
               "int4_mm: packed weight must be contiguous uint8 [N, K/2]");
@@ -335,7 +426,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_
   const Quantized& xq = quantize(x, own);
   at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  with_types(sz, out, [&](auto s, auto o) { int4_run(xq, m, k, w, s, n, group_size, o); });
+  with_types(sz, out, [&](auto s, auto o) { int4_run(xq, m, k, w, s, n, group_size, block, o); });
   return out;
 }
 
@@ -759,7 +850,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 }  // namespace
 
 TORCH_LIBRARY(tierlm_avx2, lib) {
-  lib.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
+  lib.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, int block=32) -> Tensor");
   lib.def("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
   lib.def(
