@@ -103,7 +103,10 @@ class CpuFeatures:
         if self.int_kernels and self.capability == "AVX2":
             packed += "; int4/int8 products by tierlm's AVX2 kernels (int16 activations)"
         elif self.int_kernels:
-            packed += "; int8 products by tierlm's AVX-512 kernel (int16 activations), int4 by aten's"
+            packed += (
+                "; int8 products and int4 ones of 1-2 rows by tierlm's AVX-512 kernels (int16 activations), "
+                "larger int4 ones by aten's"
+            )
         one_row = "one-row ones by torch.mv" if self.eager_mv else "one-row ones by F.linear"
         if self.compiled_layer_mv:
             one_row += ", by inductor's reductions in layer-scope steps"
