@@ -105,6 +105,14 @@ class RingLayerView:
         self.keys, self.values = keys, values
         self.ring = keys.shape[2]
 
+    def decode_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where a decode step at `slots` writes its K/V: slot c % ring, as `update` does."""
+        return slots % self.ring
+
+    def attended(self, _length: int | None) -> int:
+        """A decode step attends over the whole ring, whatever `length` the forward reads."""
+        return self.ring
+
     def update(self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, _length=None):
         """K/V of the ring (and of a prefill chunk): a window, whatever `length` the forward reads."""
         s = slots.shape[0]
@@ -128,6 +136,14 @@ class StaticLayerView:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values
+
+    def decode_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where a decode step at `slots` writes its K/V (layers.rope_attention writes it there itself)."""
+        return slots
+
+    def attended(self, length: int | None) -> int:
+        """The slots a decode step reading the first `length` (None: all) attends over."""
+        return self.keys.shape[2] if length is None else length
 
     def update(
         self, _layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None

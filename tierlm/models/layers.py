@@ -400,13 +400,14 @@ def rope_attention(
 
 
 def _static_view(cache, layer: int):
-    """The layer's static K/V where a decode step writes its token at its slot and may attend through
-    `rope_attention` (a StaticLayerView: not a sliding ring, not per-row slots), else None."""
-    if getattr(cache, "writes_at_slots", False):  # a compiled layer body's own view
+    """The layer's static K/V where a decode step writes its token at one slot for every row and may attend
+    through `rope_attention` (a StaticLayerView, or a sliding layer's RingLayerView: their `decode_slots` and
+    `attended`; not a continuous batch's per-row slots), else None."""
+    if hasattr(cache, "decode_slots"):  # a compiled layer body's own view
         return cache
     views = getattr(cache, "views", None)
     view = None if views is None else views[layer]
-    return view if getattr(view, "writes_at_slots", False) else None
+    return view if hasattr(view, "decode_slots") else None
 
 
 def wide_decode_attention(q: torch.Tensor) -> bool:
@@ -542,8 +543,9 @@ class Attention(nn.Module):
         cos, sin = rope
         if s == 1 and self.kernel and self.grouped_decode and self.softcap is None:
             view = _static_view(cache, self.layer_idx)
-            if view is not None and mask.shape[-1] == (view.keys.shape[2] if length is None else length):
-                out = rope_attention(q, k, v, cos, sin, view.keys, view.values, slots, mask, self.scale)
+            if view is not None and mask.shape[-1] == view.attended(length):
+                at = view.decode_slots(slots)
+                out = rope_attention(q, k, v, cos, sin, view.keys, view.values, at, mask, self.scale)
                 if out is not None:
                     return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         v = v.transpose(1, 2)

@@ -8,7 +8,7 @@ runs only the products, norms and attention kernel the module path would run, in
 same tensors: its logits are bit for bit the module path's (tests/test_programs.py).
 
 A layer gets a program where its decode step would run tierlm's fused rotary-attention kernel
-(`layers.rope_attention`) over a static cache view, each product has a plain
+(`layers.rope_attention`) over a static cache view (a sliding layer's ring too), each product has a plain
 function (`product` of layers.Linear, layers.FusedProjections and the quantized linears) and no hook
 watches it (a streamed layer fetches its weights in hooks). Any other layer runs as a module, as before.
 """
@@ -75,7 +75,7 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
     k_norm = attn.k_norm.plain(dtype) if hasattr(attn, "k_norm") else None
     hidden, act = layer.input_layernorm.weight.shape[0], mlp.act
     scale = d**-0.5 if attn.scale is None else attn.scale
-    keys, values = view.keys, view.values
+    keys, values, decode_slots = view.keys, view.values, view.decode_slots
     attend = torch.ops.tierlm_avx2.decode_rope_attention  # checks every input it is given
 
     def program(x: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,8 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
         q, k, v = project(norm_in(x))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        out = o_proj(attend(q, k, v, rope[0], rope[1], keys, values, slots, mask, scale).view(rows, -1))
+        at = decode_slots(slots)
+        out = o_proj(attend(q, k, v, rope[0], rope[1], keys, values, at, mask, scale).view(rows, -1))
         x = x + (out if after_attn is None else after_attn(out))
         gate, up = gate_up(norm_mid(x))
         out = down(act(gate) * up)
@@ -121,7 +122,7 @@ def _attends_through_kernel(attn: nn.Module, view, dtype: torch.dtype) -> bool:
         attn.kernel
         and attn.grouped_decode
         and attn.softcap is None
-        and getattr(view, "writes_at_slots", False)
+        and hasattr(view, "decode_slots")  # a static view or a sliding layer's ring (layers._static_view)
         and keys.device.type == "cpu"
         and keys.dtype == values.dtype == dtype
         and keys.shape == values.shape
