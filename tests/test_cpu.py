@@ -77,20 +77,34 @@ def test_an_avx2_dispatch_level_hides_the_cpus_avx512_features(monkeypatch):
 def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, features, widened, mv):
     """The auto dtype of a GGUF is bf16 on every kind of CPU; bf16 prefill is widened to fp32 only
     where bf16 is not native, and one-row decode products run as torch.mv where that is faster (AVX2, AMX),
-    as F.linear where it is not (native bf16 without AMX: a Zen 4) (layers.linear).
-    (Float weights: `quantize=None`; the default packing is the next test's.)"""
+    on tierlm's AVX-512 BF16 kernel where it is (native bf16 without AMX: a Zen 4; where it is built), else
+    as F.linear (layers.linear). (Float weights: `quantize=None`; the default packing is the next test's.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tierlm import kernels
+
+    class KernelCalls(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            KernelCalls.calls += "bf16_mv" in str(func)
+            return func(*args, **(kwargs or {}))
+
     monkeypatch.setattr(cpu, "detect", lambda: features)
     model = tierlm.load(quantize=None)  # the default model, dtype "auto"
     assert model.dtype == torch.bfloat16
     assert widen_flags(model) == {widened}
-    with LinearDtypes() as seen:
+    with LinearDtypes() as seen, KernelCalls():
         model.generate("The capital of France is", max_new_tokens=2, min_new_tokens=2)
+    kernel = features.vector_kernel and kernels.bf16_vector_product() is not None
+    assert features.vector_kernel == (features is NATIVE_BF16)
     prefill = {dtype for dtype, rows in seen.calls if rows > 1}
     decode = {dtype for dtype, rows in seen.calls if rows == 1}
     assert prefill == {torch.float32 if widened else torch.bfloat16}
-    assert decode == {torch.bfloat16}
+    assert decode == (set() if kernel else {torch.bfloat16})
+    assert (KernelCalls.calls > 0) == kernel  # the decode step's products, LM head included
     assert features.eager_mv == mv
-    assert (seen.vector_calls > 0) == mv  # the decode step's products, LM head included
+    assert (seen.vector_calls > 0) == (mv and not kernel)
 
 
 ARM = CpuFeatures("simulated Arm Neoverse", "SVE256", native_bf16=True)

@@ -117,7 +117,7 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     """`product(rows, dtype)` computes what `forward` computes on [rows, 1, in], bit for bit, for each choice
-    of kernel the module makes (widened and torch.mv products of a float Linear included)."""
+    of kernel the module makes (a float Linear's widened, torch.mv and bf16-kernel products included)."""
     torch.manual_seed(rows)
     linear = layers.Linear(128, 256, bias=bias)
     with torch.no_grad():
@@ -127,15 +127,16 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     linear = linear.to(dtype)
     modules = {"plain": linear}
     if kind == "Linear":
-        modules["widened"], modules["vector"] = (
-            layers.Linear(128, 256, bias=bias),
-            layers.Linear(128, 256, bias=bias),
-        )
-        for name in ("widened", "vector"):
+        # F.linear, widened to fp32, torch.mv, tierlm's bf16 kernel (where built): the `vector` flags
+        flags = {"plain": 0, "widened": 0, "vector": layers.VECTOR_EAGER}
+        if kernels.bf16_vector_product() is not None:
+            flags["kernel"] = layers.VECTOR_KERNEL
+        for name, flag in flags.items():
+            modules[name] = layers.Linear(128, 256, bias=bias)
             modules[name].load_state_dict(linear.state_dict())
             modules[name].to(dtype)
+            modules[name].vector = flag
         modules["widened"].widen = True
-        modules["vector"].vector = layers.VECTOR_EAGER
     elif kind == "Int8Linear":
         modules = {"plain": Int8Linear.from_linear(linear, dtype)}
     else:

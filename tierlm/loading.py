@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm import cpu
+from tierlm import cpu, kernels
 from tierlm.gguf_read import is_gguf
 from tierlm.models import layers
 from tierlm.models.decoder import Decoder
@@ -90,9 +90,12 @@ def build_step(plan: LoadPlan, loading: Loading) -> None:
     devices = {n: _param_device(placement, n) for n in placement.param_devices}
     pin = placement.device.type == "cuda"
     loading.decoder = build_decoder(loading.checkpoint, plan.dtype, devices, loading.progress, pin_cpu=pin)
-    if placement.device.type == "cpu":  # one-row bf16 products: torch.mv or F.linear, as this CPU is faster
-        loading.decoder.vector_products(eager=cpu.detect().eager_mv)
+    if placement.device.type == "cpu":
         loading.decoder.attention_kernels(layers.attention_kernel())  # built here on first use
+        # one-row bf16 products: tierlm's bf16 kernel where built, else torch.mv or F.linear, as this CPU is
+        # faster
+        kernel = cpu.detect().vector_kernel and kernels.bf16_vector_product() is not None
+        loading.decoder.vector_products(eager=cpu.detect().eager_mv, kernel=kernel)
 
 
 def _param_device(placement: Placement, name: str):

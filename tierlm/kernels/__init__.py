@@ -1,5 +1,6 @@
-"""tierlm's own CPU kernels: int4 and int8 weight-only products and a decode step's attention (alone, or with
-its rotary and static-cache write: decode_rope_attention), for x86 CPUs (`avx2_quant.cpp`).
+"""tierlm's own CPU kernels: int4 and int8 weight-only products, a decode step's attention (alone, or with
+its rotary and static-cache write: decode_rope_attention), its RMSNorm, and on AVX-512 BF16 CPUs a one-row
+bf16 product (`bf16_vector_product`), for x86 CPUs (`avx2_quant.cpp`).
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have no fast path without AVX-512, and
 inductor has no AVX2 int4 template, so on an AVX2 CPU decode spends most of its time widening weights to
@@ -59,6 +60,8 @@ def _flags() -> list[str]:
     flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
         flags[4:4] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
+        if torch.cpu._is_avx512_bf16_supported():  # the one-row bf16 product (bf16_mv)
+            flags.insert(8, "-mavx512bf16")
     return flags
 
 
@@ -119,6 +122,12 @@ def _build():
     def _(q, keys, values, mask, scale):
         return q.new_empty(q.shape)
 
+    if hasattr(ops, "bf16_mv"):
+
+        @torch.library.register_fake(f"{LIBRARY}::bf16_mv")
+        def _(x, weight, bias):
+            return x.new_empty(x.shape[0], weight.shape[0])
+
     @torch.library.register_fake(f"{LIBRARY}::rms_norm")
     def _(x, weight, eps, gemma):
         return torch.empty_like(x)
@@ -176,6 +185,13 @@ def loaded():
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"tierlm: CPU kernels unavailable ({reason}); using aten's", stacklevel=2)
         return None
+
+
+def bf16_vector_product():
+    """torch.ops.tierlm_avx2.bf16_mv, tierlm's one-row bf16 product, where this process uses tierlm's kernels
+    and they were built for AVX-512 BF16 (a CPU torch runs at AVX512 with native bf16), else None."""
+    ops = selected()
+    return None if ops is None else getattr(ops, "bf16_mv", None)
 
 
 @functools.cache

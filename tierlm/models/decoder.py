@@ -10,6 +10,7 @@ from tierlm.models.gemma3 import Gemma3DecoderLayer
 from tierlm.models.layers import (
     VECTOR_COMPILED,
     VECTOR_EAGER,
+    VECTOR_KERNEL,
     DecoderLayer,
     GemmaRMSNorm,
     Linear,
@@ -87,10 +88,12 @@ class Decoder(nn.Module):
             if hasattr(module, "widen"):
                 module.widen = on
 
-    def vector_products(self, eager: bool | None = None, compiled: bool | None = None) -> None:
+    def vector_products(
+        self, eager: bool | None = None, compiled: bool | None = None, kernel: bool | None = None
+    ) -> None:
         """Where one-row bf16 products run as torch.mv (layers.linear): in eager steps, in compiled ones;
-        None keeps that half as it is."""
-        halves = ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled))
+        kernel: eager ones on tierlm's bf16 kernel instead. None keeps that flag as it is."""
+        halves = ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled), (VECTOR_KERNEL, kernel))
         kept = ~sum(flag for flag, on in halves if on is not None)
         set_ = sum(flag for flag, on in halves if on)
         for module in self.modules():

@@ -81,8 +81,9 @@ WIDE_FP32_BYTES = 8 * 2**20  # ... widened only where the weight's fp32 copy sta
 
 
 # Where a one-row bf16 product (a batch-1 decode step) runs as torch.mv rather than F.linear: bit flags a
-# module's `vector` holds (tierlm.cpu decides: CpuFeatures.eager_mv, compiled_layer_mv).
-VECTOR_EAGER, VECTOR_COMPILED = 1, 2
+# module's `vector` holds (tierlm.cpu decides: CpuFeatures.eager_mv, compiled_layer_mv); VECTOR_KERNEL: an
+# eager one runs on tierlm's bf16 kernel instead (`kernels.bf16_vector_product`, where it is built).
+VECTOR_EAGER, VECTOR_COMPILED, VECTOR_KERNEL = 1, 2, 4
 
 
 def linear(
@@ -100,6 +101,9 @@ def linear(
     if widen and x.dim() > 2 and (x.shape[-2] > 1 or _wide_decode(x, weight)):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    if vector & VECTOR_KERNEL and x.numel() == x.shape[-1] and _kernel_product(x, weight, bias):
+        y = torch.ops.tierlm_avx2.bf16_mv(x.reshape(1, -1), weight, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     if x.numel() == x.shape[-1] and _vector_product(x, weight, vector):
         v = x.reshape(-1)
         y = torch.mv(weight, v) if bias is None else torch.addmv(bias, weight, v)
@@ -124,6 +128,28 @@ def _vector_product(x: torch.Tensor, weight: torch.Tensor, vector: int) -> bool:
     )
 
 
+def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether an eager one-row product runs on tierlm's bf16 kernel (where `vector` has VECTOR_KERNEL):
+    bf16 x, weight and bias on the CPU, the weight contiguous [N, K] with K a multiple of 32 and N of 4."""
+    return (
+        x.dtype == torch.bfloat16
+        and _kernel_weight(weight, bias)
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _kernel_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    n, k = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and k % 32 == 0
+        and n % 4 == 0
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    )
+
+
 def _wide_decode(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     small = weight.numel() * 4 <= WIDE_FP32_BYTES
@@ -142,8 +168,18 @@ def linear_product(
     if widen and rows >= WIDE_ROWS and weight.numel() * 4 <= WIDE_FP32_BYTES:  # `_wide_decode`
         # widened per call, as `linear` does
         return lambda x: F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+    on_cpu = weight.device.type == "cpu"
+    if (
+        rows == 1
+        and vector & VECTOR_KERNEL
+        and dtype == torch.bfloat16
+        and on_cpu
+        and _kernel_weight(weight, bias)
+    ):
+        kernel = torch.ops.tierlm_avx2.bf16_mv
+        return lambda x: kernel(x, weight, bias)
     bf16 = dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-    if rows == 1 and vector & VECTOR_EAGER and bf16 and weight.device.type == "cpu":  # `_vector_product`
+    if rows == 1 and vector & VECTOR_EAGER and bf16 and on_cpu:  # `_vector_product`
         if bias is None:
             return lambda x: torch.mv(weight, x.reshape(-1)).unsqueeze(0)
         return lambda x: torch.addmv(bias, weight, x.reshape(-1)).unsqueeze(0)
