@@ -558,8 +558,9 @@ def bf16_mv(ops):
 @pytest.mark.parametrize(("n", "k"), [(4, 32), (96, 576), (49152 // 64, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_vector_product_matches_the_exact_product(bf16_mv, n, k, bias):
-    """y = x @ w.T (+ bias) of bf16 x and w, summed in fp32 (each pair of products exact, the sums rounded to
-    fp32: relative 1e-5 of the sum of |terms|), rounded once to bf16 (half an ulp)."""
+    """y = x @ w.T (+ bias) of bf16 x and w, summed in fp32 (each pair of products exact but for subnormals,
+    which vdpbf16ps flushes to zero; the sums rounded to fp32: relative 1e-5 of the sum of |terms|), rounded
+    once to bf16 (half an ulp)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = make_x(1, k, torch.bfloat16, seed=k)
@@ -570,6 +571,16 @@ def test_bf16_vector_product_matches_the_exact_product(bf16_mv, n, k, bias):
     scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
     err = (y.double() - exact).abs()
     assert (err <= 1e-5 * scale + 2.0**-8 * exact.abs() + 1e-6).all(), err.max()
+
+
+def test_a_strided_row_falls_back_from_the_bf16_kernel(bf16_mv):
+    """layers.linear sends the kernel contiguous rows only: a strided one runs F.linear, no error."""
+    from tierlm.models.layers import VECTOR_KERNEL, linear
+
+    w = torch.randn(64, 64).bfloat16()
+    x = torch.randn(1, 1, 128).bfloat16()[..., ::2]
+    y = linear(x, w, None, False, VECTOR_KERNEL)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=2**-7, atol=1e-2)
 
 
 def test_bf16_vector_product_bad_shapes_are_one_clear_error(bf16_mv):

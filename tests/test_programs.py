@@ -98,8 +98,8 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
     )
     if path == "widened":
         model.decoder.widen_prefill(True)
-    if path == "vector":
-        model.decoder.vector_products(eager=True)
+    if path == "vector":  # torch.mv, not tierlm's bf16 kernel where load() chose it
+        model.decoder.vector_products(eager=True, kernel=False)
     fast, slow, built = with_and_without_programs(model, monkeypatch, rows)
     decoder_layers = model.decoder.model.layers
     assert built == list(range(len(decoder_layers))), built

@@ -60,9 +60,23 @@ def _flags() -> list[str]:
     flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's AVX512: F, BW, DQ and VL
         flags[4:4] = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # the int8 AVX-512 loop
-        if torch.cpu._is_avx512_bf16_supported():  # the one-row bf16 product (bf16_mv)
+        # the one-row bf16 product (bf16_mv), where the compiler knows the flag: a compiler that does not
+        # (GCC < 10) would fail the whole build, and every kernel with it
+        if torch.cpu._is_avx512_bf16_supported() and _compiler_takes("-mavx512bf16"):
             flags.insert(8, "-mavx512bf16")
     return flags
+
+
+@functools.cache
+def _compiler_takes(flag: str) -> bool:
+    """Whether the C++ compiler torch's extension builder runs ($CXX, else c++) accepts `flag`."""
+    import subprocess
+
+    command = [os.environ.get("CXX", "c++"), flag, "-x", "c++", "-E", "-", "-o", os.devnull]
+    try:
+        return subprocess.run(command, input=b"", capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tierlm import kernels
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
 from tierlm.models.layers import (
@@ -92,7 +93,10 @@ class Decoder(nn.Module):
         self, eager: bool | None = None, compiled: bool | None = None, kernel: bool | None = None
     ) -> None:
         """Where one-row bf16 products run as torch.mv (layers.linear): in eager steps, in compiled ones;
-        kernel: eager ones on tierlm's bf16 kernel instead. None keeps that flag as it is."""
+        kernel: eager ones on tierlm's bf16 kernel instead (ValueError where it is not built). None keeps that
+        flag as it is."""
+        if kernel and kernels.bf16_vector_product() is None:
+            raise ValueError("tierlm's one-row bf16 kernel is not built on this machine")
         halves = ((VECTOR_EAGER, eager), (VECTOR_COMPILED, compiled), (VECTOR_KERNEL, kernel))
         kept = ~sum(flag for flag, on in halves if on is not None)
         set_ = sum(flag for flag, on in halves if on)

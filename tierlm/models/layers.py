@@ -90,7 +90,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool, vector: int = VECTOR_EAGER
 ) -> torch.Tensor:
     """F.linear; with `widen`, a product of several tokens per row (prefill), or an eager decode step of
-    WIDE_ROWS rows or more whose weight is small, runs in fp32 and returns x's dtype.
+    WIDE_ROWS rows or more whose weight is small, runs in fp32 and returns x's dtype; a one-row bf16 product
+    runs on tierlm's bf16 kernel or as torch.mv where `vector` says so.
 
     On CPUs without native bf16 a bf16 matrix-vector product (decode) is memory-bound and fast, but
     a bf16 matrix-matrix product has no fast kernel there: its time grows with the rows. Prefill of the
@@ -130,9 +131,11 @@ def _vector_product(x: torch.Tensor, weight: torch.Tensor, vector: int) -> bool:
 
 def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether an eager one-row product runs on tierlm's bf16 kernel (where `vector` has VECTOR_KERNEL):
-    bf16 x, weight and bias on the CPU, the weight contiguous [N, K] with K a multiple of 32 and N of 4."""
+    bf16 x, weight and bias on the CPU, x and the weight contiguous, the weight [N, K] with K a multiple of 32
+    and N of 4."""
     return (
         x.dtype == torch.bfloat16
+        and x.is_contiguous()
         and _kernel_weight(weight, bias)
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()
@@ -192,7 +195,8 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.widen = False
-        self.vector = VECTOR_EAGER  # where one-row bf16 products run as torch.mv (Decoder.vector_products)
+        # where one-row bf16 products run as torch.mv or on tierlm's bf16 kernel (Decoder.vector_products)
+        self.vector = VECTOR_EAGER
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.widen, self.vector)
@@ -400,7 +404,8 @@ def rope_attention(
     scale: float | None = None,
 ) -> torch.Tensor | None:
     """A decode step's rotary, K/V write and attention in one call of tierlm's CPU kernel
-    (decode_rope_attention), for a static cache written at `slots` (`StaticLayerView`): q [b, 1, H, d], k and v
+    (decode_rope_attention), for a static cache written at `slots` (a StaticLayerView's; a RingLayerView's
+    `decode_slots`): q [b, 1, H, d], k and v
     [b, 1, KV, d] before rotary, the layer's whole keys and values [b, KV, L, d]; it attends over the first
     mask.shape[-1] slots. Returns [b, H, 1, d], or None where the kernel does not take these (the caller
     runs apply_rope, index_copy_ and `grouped_attention` instead). The rotary runs in fp32 and rounds once to
