@@ -78,7 +78,7 @@ def test_detected_cpu_drives_the_default_dtype_and_prefill_kernel(monkeypatch, f
     """The auto dtype of a GGUF is bf16 on every kind of CPU; bf16 prefill is widened to fp32 only
     where bf16 is not native, and one-row decode products run as torch.mv where that is faster (AVX2, AMX),
     on tierlm's AVX-512 BF16 kernel where it is (native bf16 without AMX: a Zen 4; where it is built), else
-    as F.linear (layers.linear). (Float weights: `quantize=None`; the default packing is the next test's.)"""
+    as F.linear (linear.linear). (Float weights: `quantize=None`; the default packing is the next test's.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tierlm import kernels
@@ -144,10 +144,10 @@ def test_detected_cpu_drives_whether_gguf_q4_blocks_stay_packed(
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_one_row_bf16_products_run_as_mv_where_flagged(bias):
-    """layers.linear: a one-row bf16 product is torch.mv (torch.addmv with a bias) in an eager step where the
+    """linear.linear: a one-row bf16 product is torch.mv (torch.addmv with a bias) in an eager step where the
     module's `vector` flags say so, F.linear otherwise and for several rows or fp32; either way within one bf16
     rounding of the fp32 product."""
-    from tierlm.models.layers import VECTOR_COMPILED, VECTOR_EAGER, linear
+    from tierlm.models.linear import VECTOR_COMPILED, VECTOR_EAGER, linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()
@@ -199,7 +199,7 @@ def test_layer_scope_bodies_write_one_row_products_as_mv_where_chosen(
     the compiled greedy logits stay within bf16's tolerance of the eager ones (two kernels: not exact)."""
     from tierlm import steps
     from tierlm.compile import CompileConfig
-    from tierlm.models.layers import VECTOR_COMPILED
+    from tierlm.models.linear import VECTOR_COMPILED
 
     monkeypatch.setattr(cpu, "detect", lambda: features)
     assert features.compiled_layer_mv == compiled_mv
@@ -295,7 +295,7 @@ def test_a_decode_step_of_many_rows_widens_small_weights_only():
     """An eager decode step of WIDE_ROWS rows or more is a matrix-matrix product, widened like prefill where
     bf16 is not native; not fewer rows (a memory-bound matrix-vector product), not a weight whose fp32 copy
     would leave the cache (a real vocabulary's LM head), not without `widen`; the result agrees with bf16."""
-    from tierlm.models.layers import WIDE_FP32_BYTES, WIDE_ROWS, linear
+    from tierlm.models.linear import WIDE_FP32_BYTES, WIDE_ROWS, linear
 
     small = torch.randn(96, 64).to(torch.bfloat16)
     big = torch.zeros(WIDE_FP32_BYTES // 4 // 64 + 1, 64, dtype=torch.bfloat16)

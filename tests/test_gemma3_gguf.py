@@ -239,7 +239,7 @@ def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
     from pathlib import Path
 
     from tierlm.evaluate import next_token_logits, perplexity, top1_agreement
-    from tierlm.models.layers import Linear
+    from tierlm.models.linear import Linear
     from tierlm.quant import Int8Linear
 
     text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()

@@ -13,6 +13,7 @@ import tierlm
 import tierlm.model
 from tierlm import kernels
 from tierlm.models import layers
+from tierlm.models.linear import VECTOR_EAGER, VECTOR_KERNEL, Linear
 from tierlm.models.programs import decode_programs
 from tierlm.quant import Int4Linear, Int8Linear
 
@@ -119,7 +120,7 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     """`product(rows, dtype)` computes what `forward` computes on [rows, 1, in], bit for bit, for each choice
     of kernel the module makes (a float Linear's widened, torch.mv and bf16-kernel products included)."""
     torch.manual_seed(rows)
-    linear = layers.Linear(128, 256, bias=bias)
+    linear = Linear(128, 256, bias=bias)
     with torch.no_grad():
         linear.weight.normal_(0, 0.05)
         if bias:
@@ -128,11 +129,11 @@ def test_a_product_is_its_modules_forward(kind, dtype, rows, bias):
     modules = {"plain": linear}
     if kind == "Linear":
         # F.linear, widened to fp32, torch.mv, tierlm's bf16 kernel (where built): the `vector` flags
-        flags = {"plain": 0, "widened": 0, "vector": layers.VECTOR_EAGER}
+        flags = {"plain": 0, "widened": 0, "vector": VECTOR_EAGER}
         if kernels.bf16_vector_product() is not None:
-            flags["kernel"] = layers.VECTOR_KERNEL
+            flags["kernel"] = VECTOR_KERNEL
         for name, flag in flags.items():
-            modules[name] = layers.Linear(128, 256, bias=bias)
+            modules[name] = Linear(128, 256, bias=bias)
             modules[name].load_state_dict(linear.state_dict())
             modules[name].to(dtype)
             modules[name].vector = flag

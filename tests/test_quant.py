@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tierlm
-from tierlm.models.layers import Linear
+from tierlm.models.linear import Linear
 from tierlm.quant import (
     PROJECTIONS,
     Int4Linear,

@@ -17,7 +17,7 @@ from tierlm.config import ModelConfig
 from tierlm.generation.config import GenerationConfig
 from tierlm.gguf_read import is_gguf
 from tierlm.models.decoder import Decoder
-from tierlm.models.layers import FUSED_PROJECTIONS
+from tierlm.models.linear import FUSED_PROJECTIONS
 from tierlm.module_names import under
 from tierlm.placement.device_map import execution_device as executor_of
 from tierlm.placement.device_map import format_bytes, format_modules

@@ -8,17 +8,8 @@ from torch import nn
 from tierlm import kernels
 from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
-from tierlm.models.layers import (
-    VECTOR_COMPILED,
-    VECTOR_EAGER,
-    VECTOR_KERNEL,
-    DecoderLayer,
-    GemmaRMSNorm,
-    Linear,
-    RMSNorm,
-    fuse_projections,
-    kernel_heads,
-)
+from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, RMSNorm, kernel_heads
+from tierlm.models.linear import VECTOR_COMPILED, VECTOR_EAGER, VECTOR_KERNEL, Linear, fuse_projections
 from tierlm.models.rotary import rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
@@ -83,7 +74,7 @@ class Decoder(nn.Module):
             layer.mlp.fused = None
 
     def widen_prefill(self, on: bool = True) -> None:
-        """Run multi-token products of the float linears in fp32 (layers.linear): for bf16 weights on a
+        """Run multi-token products of the float linears in fp32 (linear.linear): for bf16 weights on a
         CPU without native bf16 (tierlm.cpu); decode steps keep the weights' own dtype."""
         for module in self.modules():
             if hasattr(module, "widen"):
@@ -92,7 +83,7 @@ class Decoder(nn.Module):
     def vector_products(
         self, eager: bool | None = None, compiled: bool | None = None, kernel: bool | None = None
     ) -> None:
-        """Where one-row bf16 products run as torch.mv (layers.linear): in eager steps, in compiled ones;
+        """Where one-row bf16 products run as torch.mv (linear.linear): in eager steps, in compiled ones;
         kernel: eager ones on tierlm's bf16 kernel instead (ValueError where it is not built). None keeps that
         flag as it is."""
         if kernel and kernels.bf16_vector_product() is None:

@@ -9,7 +9,7 @@ same tensors: its logits are bit for bit the module path's (tests/test_programs.
 
 A layer gets a program where its decode step would run tierlm's fused rotary-attention kernel
 (`layers.rope_attention`) over a static cache view (a sliding layer's ring too), each product has a plain
-function (`product` of layers.Linear, layers.FusedProjections and the quantized linears) and no hook
+function (`product` of linear.Linear, linear.FusedProjections and the quantized linears) and no hook
 watches it (a streamed layer fetches its weights in hooks). Any other layer runs as a module, as before.
 """
 

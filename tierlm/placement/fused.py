@@ -2,7 +2,7 @@
 
 On a CPU a disk unit's weights are used in place, memory-mapped, so a fused weight has to be one tensor in
 a file. For each group of a plan's `streamed_fusion` the projections are fused as `Decoder.fuse` fuses a
-resident layer's (`models.layers.fuse_projections`: float weights concatenated, packed int8/int4 rows by
+resident layer's (`models.linear.fuse_projections`: float weights concatenated, packed int8/int4 rows by
 their own `fuse`), the fused tensors are written once, 64-byte aligned, to a folder beside the offload
 folders (one file per unit; atomically; reused while the checkpoint, dtype, quantization and groups
 match) and memory-mapped back, and each projection's tensors become views of its rows there; the pages
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierlm.models.layers import fuse_projections
+from tierlm.models.linear import fuse_projections
 from tierlm.module_names import under
 from tierlm.placement.offload import Unit, _assign
 from tierlm.placement.quantized import _join, _mmap_all, _tensors_of, write_aligned
