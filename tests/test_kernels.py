@@ -88,7 +88,9 @@ def make_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     ("n", "k", "group"),
     [(32, 32, 32), (96, 576, 32), (64, 32, 32), (192, 576, 32), (64, 576, 64), (256, 1536, 128)],
 )
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize(
+    "m", [1, 2, 3, 4, 17]
+)  # tiles of 2 (AVX2) or 3 (AVX-512) activation rows, then the rest
 def test_int4_matches_the_exact_product_of_its_quantized_activations(int4, dtype, n, k, group, m):
     ops, block = int4
     if n % block:
@@ -125,6 +127,31 @@ def test_int8_rows_are_the_same_bits_alone_or_in_a_batch(ops, dtype):
     batch = ops.int8_mm(x, q.weight_int8, q.scales)
     for r in range(5):
         assert torch.equal(ops.int8_mm(x[r : r + 1], q.weight_int8, q.scales)[0], batch[r]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packing", [32, 64])
+def test_int4_rows_are_the_same_bits_alone_or_in_a_batch(int4, dtype, packing):
+    """As for int8: each row of an int4 product of 1 to 7 rows (tiles of 2 or 3 activation rows, then one or
+    two left) gives the bits of that row's product alone, on either of torch's packings."""
+    ops, block = int4
+    if packing > block:
+        pytest.skip("the AVX2 build reads torch's AVX2 packing (blocks of 32 rows) only")
+    torch.manual_seed(packing)
+    n, k = 192, 576
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = (
+        pack_in_blocks_of_32(codes)
+        if packing == 32
+        else torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    )
+    sz = torch.stack([torch.rand(k // 32, n) / 10, torch.randn(k // 32, n) / 10], dim=-1).to(dtype)
+    x = make_x(7, k, dtype, seed=7)
+    alone = [ops.int4_mm(x[r : r + 1], packed, 32, sz, packing)[0] for r in range(7)]
+    for m in range(1, 8):
+        batch = ops.int4_mm(x[:m], packed, 32, sz, packing)
+        for r in range(m):
+            assert torch.equal(batch[r], alone[r]), (m, r)
 
 
 def mixed_input():
@@ -207,10 +234,10 @@ def test_quantized_linears_use_the_kernels_where_the_cpu_selects_them(ops, monke
     assert features.int_kernels and "tierlm's" in features.kernels()
     q4, q8 = linears()
     assert q8.kernel and q4.kernel == (kernels.int4_block() is not None)
-    for rows in (1, 2, 3, 5):  # the AVX-512 packing's products of more than 2 rows are aten's
+    for rows in (1, 2, 3, 5):
         x = torch.randn(rows, 1, 576, dtype=torch.bfloat16)
         x2d = x.reshape(-1, 576)
-        if q4.kernel and (q4.block == 32 or rows <= 2):
+        if q4.kernel:
             want4 = ops.int4_mm(x2d, q4.weight_int4, 32, q4.scales_and_zeros, q4.block) + q4.bias
         else:
             want4 = (

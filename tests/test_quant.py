@@ -92,8 +92,7 @@ def test_int4_linear_matches_dequantized_reference(dtype, group_size):
 @pytest.mark.parametrize("kernels", ["aten", "avx2"])
 def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
     """aten's kernels, or tierlm's where the CPU selects them (tests/test_kernels.py checks their math; int4
-    where tierlm's kernel reads torch's packing, and on its AVX-512 packing for up to
-    KERNEL_ROWS_IN_BLOCKS_OF_64 rows); the fp32-activation fallback below holds either way."""
+    where tierlm's kernel reads torch's packing); the fp32-activation fallback below holds either way."""
     from tierlm import cpu
     from tierlm import kernels as tierlm_kernels
 
@@ -107,10 +106,8 @@ def test_bf16_activations_go_through_the_selected_kernels(kernels, monkeypatch):
         if tierlm_kernels.loaded() is None:
             pytest.skip("tierlm's kernels do not build or load here")
         block = tierlm_kernels.int4_block()
-        ops = {
-            1: ("int8_mm.default", aten4 if block is None else "int4_mm.default"),
-            5: ("int8_mm.default", "int4_mm.default" if block == 32 else aten4),
-        }
+        int4 = aten4 if block is None else "int4_mm.default"
+        ops = {rows: ("int8_mm.default", int4) for rows in (1, 5)}
     linear = random_linear(128, 64)
     for rows, (int8, int4) in ops.items():
         x = random_input(128, torch.bfloat16, rows)

@@ -88,7 +88,7 @@ class CpuFeatures:
     @property
     def int_kernels(self) -> bool:
         """Whether quantized products run on tierlm's kernels (tierlm.kernels) rather than aten's: on AVX2
-        CPUs (int4 and int8) and AVX512 ones (int8, and int4 of one or two rows), unless
+        and AVX512 CPUs (int4 where tierlm's kernel reads torch's packing, and int8), unless
         TIERLM_CPU_KERNELS=aten. Elsewhere (Arm) aten's."""
         return (
             self.capability in ("AVX2", "AVX512")
@@ -112,10 +112,7 @@ class CpuFeatures:
         if self.int_kernels and self.capability == "AVX2":
             packed += "; int4/int8 products by tierlm's AVX2 kernels (int16 activations)"
         elif self.int_kernels:
-            packed += (
-                "; int8 products and int4 ones of 1-2 rows by tierlm's AVX-512 kernels (int16 activations), "
-                "larger int4 ones by aten's"
-            )
+            packed += "; int4/int8 products by tierlm's AVX-512 kernels (int16 activations)"
         if self.vector_kernel:
             one_row = "eager one-row ones by tierlm's AVX-512 BF16 kernel"
         else:

@@ -24,12 +24,6 @@ MODES = ("int8", "int4")
 # product 1.18 and 1.26 ms; Gemma 3's [1536, 640] int8 at 128 rows: tierlm's kernel 1.66 ms, widen + bf16
 # product 0.47-0.60 ms (at 38 rows 0.49 against 0.66 ms).
 DEQUANTIZE_ROWS = 128
-# On torch's AVX-512 int4 packing (blocks of 64 rows), tierlm's int4 kernel runs products of up to this many
-# rows; aten's product of that packing runs larger ones. Measured on a Zen 4, 2 threads, bf16, the default
-# model's three shapes: 1 row 1.6-1.8x aten's speed, 2 rows 1.2x, 4 rows and more 0.8-1.0x (both multiply
-# row by row); the default model's int4 decode, batch 1, eager 155 -> 162 tok/s, a compiled whole step
-# 159 -> 182.
-KERNEL_ROWS_IN_BLOCKS_OF_64 = 2
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the aten int4 kernels accept
 PROJECTIONS = (
     "self_attn.q_proj",
@@ -224,9 +218,12 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu) (tierlm's
-    kernel where it reads torch's packing: every product on an AVX2 CPU, up to KERNEL_ROWS_IN_BLOCKS_OF_64
-    rows on an AVX512 one; see tierlm.kernels)."""
+    """y = x @ W.T + bias with W group-wise uint4, through aten._weight_int4pack_mm(_for_cpu), or tierlm's
+    kernel where it reads torch's packing (AVX2 and AVX512 CPUs; see tierlm.kernels). Measured on a Zen 5
+    (AVX-512 VNNI), 2 threads, bf16, the default model's four product shapes: tierlm's kernel runs 1.5-2.1x
+    aten's speed at 1 row, 1.1-1.7x from 4 to 128 rows (tiles of 3 activation rows, each row's sums in the
+    one-row order, so a row's result does not depend on its batch); simulated AVX2 there (tiles of 2), 2.4-3.8x at
+    1 row, 1.2-1.4x at 8 to 128."""
 
     def __init__(
         self,
@@ -278,13 +275,13 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
-        if self.kernel and x2d.device.type == "cpu" and self._kernel_rows(x2d.shape[0]):
+        if self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+            y = (x2d @ self.dequantized_t()).to(x.dtype)
+        elif self.kernel and x2d.device.type == "cpu":
             y = torch.ops.tierlm_avx2.int4_mm(
                 x2d, self.weight_int4, self.group_size, self.scales_and_zeros, self.block
             )
             y = y.to(x.dtype)  # x2d is in the scales' dtype
-        elif self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
-            y = (x2d @ self.dequantized_t()).to(x.dtype)
         else:
             y = _int4_mm(x2d, self.weight_int4, self.group_size, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -296,19 +293,13 @@ class Int4Linear(nn.Module):
         w, group, sz = self.weight_int4, self.group_size, self.scales_and_zeros
         if w.device.type != "cpu" or dtype != sz.dtype:
             return None
-        if self.kernel and self._kernel_rows(rows):
-            kernel, block = torch.ops.tierlm_avx2.int4_mm, self.block
-            return _plus_bias(lambda x: kernel(x, w, group, sz, block), self.bias, dtype)
         if self.dequantizes and rows >= DEQUANTIZE_ROWS:
             return None
+        if self.kernel:
+            kernel, block = torch.ops.tierlm_avx2.int4_mm, self.block
+            return _plus_bias(lambda x: kernel(x, w, group, sz, block), self.bias, dtype)
         op = aten._weight_int4pack_mm_for_cpu
         return _plus_bias(lambda x: op(x, w, group, sz), self.bias, dtype)
-
-    def _kernel_rows(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs on tierlm's kernel (where `kernel` is set): any number on
-        torch's AVX2 packing; on its AVX-512 one, up to KERNEL_ROWS_IN_BLOCKS_OF_64 (aten's own product of
-        that packing is as fast from 4 rows up, 0.8-1.0x)."""
-        return self.block == 32 or rows <= KERNEL_ROWS_IN_BLOCKS_OF_64
 
     @classmethod
     def fuse(cls, parts) -> Int4Linear | None:

@@ -64,6 +64,9 @@ def _flags() -> list[str]:
         # (GCC < 10) would fail the whole build, and every kernel with it
         if torch.cpu._is_avx512_bf16_supported() and _compiler_takes("-mavx512bf16"):
             flags.insert(8, "-mavx512bf16")
+        # the int4 products' int16 dot products as one instruction (vpdpwssd), where the CPU has AVX-512 VNNI
+        if torch.cpu._is_vnni_supported() and _compiler_takes("-mavx512vnni"):
+            flags.insert(8, "-mavx512vnni")
     return flags
 
 
