@@ -33,6 +33,13 @@ def ops():
     return built
 
 
+def test_the_int4_kernel_reads_torchs_packing_on_this_cpu(ops):
+    """`int4_block` checks the kernel against aten's product (8 rows: the tiles too) and answers None where
+    they differ, which turns tierlm's int4 off and skips the int4 tests below: on x86 it must find the packing."""
+    want = {"AVX2": 32, "AVX512": 64}[torch.backends.cpu.get_cpu_capability()]
+    assert kernels.int4_block() == want
+
+
 @pytest.fixture(scope="module")
 def int4(ops):
     """(the kernels, the rows per block of torch's int4 packing here: `kernels.int4_block`)."""

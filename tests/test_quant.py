@@ -187,7 +187,7 @@ def test_many_int4_rows_on_amx_multiply_the_dequantized_bf16_weight(monkeypatch,
         with OpRecorder() as rec:
             y = q(x)
         kernel = not q.dequantizes or rows < DEQUANTIZE_ROWS
-        # aten's int4 kernel, or tierlm's where torch packs int4 as it reads (AVX2)
+        # aten's int4 kernel, or tierlm's where it reads torch's int4 packing (AVX2 and AVX-512)
         assert bool({"_weight_int4pack_mm_for_cpu.default", "int4_mm.default"} & rec.ops) == kernel
         assert rel_error(y, x.float() @ reference.T + q.bias.float()) < 2**-7
 

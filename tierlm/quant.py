@@ -153,10 +153,10 @@ class Int8Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if (
             self.widens
+            and not torch.compiler.is_compiling()  # before the row count: no guard on it in a graph
             and x.dtype == torch.bfloat16
             and x2d.shape[0] >= DEQUANTIZE_ROWS
             and x.device.type == "cpu"
-            and not torch.compiler.is_compiling()
         ):
             y = F.linear(x2d, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
         elif self.kernel and x.device.type == "cpu" and x.dtype in KERNEL_X_DTYPES:
@@ -222,8 +222,10 @@ class Int4Linear(nn.Module):
     kernel where it reads torch's packing (AVX2 and AVX512 CPUs; see tierlm.kernels). Measured on a Zen 5
     (AVX-512 VNNI), 2 threads, bf16, the default model's four product shapes: tierlm's kernel runs 1.5-2.1x
     aten's speed at 1 row, 1.1-1.7x from 4 to 128 rows (tiles of 3 activation rows, each row's sums in the
-    one-row order, so a row's result does not depend on its batch); simulated AVX2 there (tiles of 2), 2.4-3.8x at
-    1 row, 1.2-1.4x at 8 to 128."""
+    one-row order, so a row's result does not depend on its batch); simulated AVX2 there (tiles of 2),
+    2.4-3.8x at 1 row, 1.2-1.4x at 8 to 128. Not measured since on an AMX Xeon, where products of
+    DEQUANTIZE_ROWS rows or more multiply a dequantized bf16 weight (that bound was set against aten's
+    int4, which ran every product of more than 2 rows there before)."""
 
     def __init__(
         self,
@@ -275,7 +277,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
-        if self.dequantizes and x2d.shape[0] >= DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+        if self.dequantizes and not torch.compiler.is_compiling() and x2d.shape[0] >= DEQUANTIZE_ROWS:
             y = (x2d @ self.dequantized_t()).to(x.dtype)
         elif self.kernel and x2d.device.type == "cpu":
             y = torch.ops.tierlm_avx2.int4_mm(

@@ -166,7 +166,7 @@ void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-// R activation rows (2 or 3) times one block of 32 rows of torch's AVX2 packing: each weight byte unpacked once
+// R activation rows (2) times one block of 32 rows of torch's AVX2 packing: each weight byte unpacked once
 // for all R rows. Each row's sums are int4_rows32's, in its order, so a row's result does not depend on the
 // rows beside it. out[r * 32 + i]; xq, d, xs of row r at r * k, r * nb, r * nb.
 template <typename T, int R>
@@ -203,18 +203,22 @@ void int4_tile32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
     const int64_t group = k0 / g;
     const __m256 eight = _mm256_set1_ps(8.f);
     const T* szg = sz + group * n * 2;
+    __m256 s[4], zs[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 z;
+      load_scale_zero<T>(szg + i * 16, s[i], z);
+      zs[i] = _mm256_fnmadd_ps(eight, s[i], z);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256i rows[4] = {
           _mm256_permute2x128_si256(a[r][0], a[r][1], 0x20), _mm256_permute2x128_si256(a[r][0], a[r][1], 0x31),
           _mm256_permute2x128_si256(a[r][2], a[r][3], 0x20), _mm256_permute2x128_si256(a[r][2], a[r][3], 0x31)};
       const __m256 db = _mm256_set1_ps(d[r * nb + b]), xsb = _mm256_set1_ps(xs[r * nb + b]);
       for (int i = 0; i < 4; ++i) {
-        __m256 s, z;
-        load_scale_zero<T>(szg + i * 16, s, z);
         float* o = out + r * 32 + 8 * i;
         __m256 acc = _mm256_loadu_ps(o);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows[i]), _mm256_mul_ps(s, db), acc);
-        acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xsb, acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows[i]), _mm256_mul_ps(s[i], db), acc);
+        acc = _mm256_fmadd_ps(zs[i], xsb, acc);
         _mm256_storeu_ps(o, acc);
       }
     }
@@ -506,13 +510,11 @@ void with_types(const at::Tensor& scales, at::Tensor& out, F&& f) {
   }
 }
 
-#ifndef TILE32
-#define TILE32 2
-#endif
 // Activation rows per int4 tile: 3 on torch's AVX-512 packing (Zen 5, 2 threads, the default model's shapes at 8
-// to 128 rows: 1.1-1.3x a tile of 4 rows, whose 16 accumulators and unpacked weights crowd the 32 registers);
-// TILE32 on its AVX2 one (16 registers).
-constexpr int64_t TILE64 = 3;
+// to 128 rows: 1.1-1.3x a tile of 4 rows, whose 16 accumulators and unpacked weights crowd the 32 registers); 2
+// on its AVX2 one (16 registers; simulated AVX2, a tile of 3 ran no faster)
+constexpr int64_t TILE64 = 3, TILE32 = 2;
+static_assert(TILE64 == 3 && TILE32 == 2, "int4_run's switches instantiate these tiles");
 
 // block: the rows of the packing's blocks, 32 (torch's AVX2 packing) or 64 (its AVX-512 one: the AVX-512 build)
 template <typename T, typename Y>
@@ -534,15 +536,14 @@ void int4_run(const Quantized& x, int64_t m, int64_t k, const uint8_t* w, const 
           switch (rows) {
             case 1: int4_rows64<T>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
             case 2: int4_tile64<T, 2>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
-            default: int4_tile64<T, 3>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
+            default: int4_tile64<T, 3>(wb, szb, n, k, g, xr, dr, sr, tmp); break;  // 3
           }
         } else
 #endif
         {
           switch (rows) {
             case 1: int4_rows32<T>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
-            case 2: int4_tile32<T, 2>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
-            default: int4_tile32<T, 3>(wb, szb, n, k, g, xr, dr, sr, tmp); break;
+            default: int4_tile32<T, 2>(wb, szb, n, k, g, xr, dr, sr, tmp); break;  // 2
           }
         }
         for (int i = 0; i < rows; ++i) store(o + (r + i) * n + rb * block, tmp + i * block, block);
