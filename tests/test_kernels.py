@@ -323,6 +323,38 @@ def test_decode_attention_matches_the_exact_attention(ops, dtype, b, h, kv, leng
     assert (err <= 1e-5 * v.double().abs().amax() + rtol * ref.abs()).all(), err.max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_depends_on_a_rows_attended_slots_not_where_they_sit(ops, dtype):
+    """A row's 150 keys and values (three chunks of 64 attended slots) give the same bits wherever they sit:
+    after left padding of 5 or 64 slots, with masked holes between them, or with the last one in a scratch
+    column at the end of a longer cache (a continuous step), each in a batch of such rows."""
+    torch.manual_seed(0)
+    kv, d, n = 3, 64, 150
+    q = torch.randn(4, 9, d).to(dtype)
+    k, v = torch.randn(4, kv, n, d).to(dtype), torch.randn(4, kv, n, d).to(dtype)
+    alone = torch.stack(
+        [
+            ops.decode_attention(
+                q[r : r + 1], k[r : r + 1], v[r : r + 1], torch.ones(1, n, dtype=torch.bool), 0.125
+            )[0]
+            for r in range(4)
+        ]
+    )
+    total = 300
+    placements = [
+        torch.arange(n) + 5,  # left padding
+        torch.arange(n) + 64,
+        torch.arange(n) * 2,  # a masked slot after each
+        torch.cat([torch.arange(n - 1), torch.tensor([total - 1])]),  # the last key in a scratch column
+    ]
+    keys, values = torch.zeros(4, kv, total, d, dtype=dtype), torch.zeros(4, kv, total, d, dtype=dtype)
+    mask = torch.zeros(4, total, dtype=torch.bool)
+    for r, slots in enumerate(placements):
+        keys[r, :, slots], values[r, :, slots], mask[r, slots] = k[r], v[r], True
+    keys[~mask[:, None, :, None].expand_as(keys)] = float("nan")  # masked slots are never read
+    assert torch.equal(ops.decode_attention(q, keys, values, mask, 0.125), alone)
+
+
 def test_decode_attention_reads_a_strided_cache_and_its_own_scale(ops):
     """The first `length` slots of a larger static cache (a strided view, as an eager step reads it), a
     batch-broadcast mask, bf16 q over an fp32 cache, an explicit scale (Gemma's query_pre_attn_scalar)."""

@@ -72,9 +72,10 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_served_model(tmp_path_factory.mktemp("served") / "tiny")
 
 
-def write_served_model(folder: Path) -> Path:
-    """A 2-layer random model with a 4096-token context whose EOS logit is 0, so greedy runs go the distance."""
-    folder = write_tiny_checkpoint(folder, "mistral")
+def write_served_model(folder: Path, **config) -> Path:
+    """A 2-layer random model with a 4096-token context whose EOS logit is 0, so greedy runs go the distance
+    (`config`: overrides of the tiny mistral config)."""
+    folder = write_tiny_checkpoint(folder, "mistral", config or None)
     write_tokenizer(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))

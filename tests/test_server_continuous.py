@@ -125,6 +125,73 @@ def test_sixteen_concurrent_mixed_streams_each_equal_their_solo_runs(live, tiny_
     assert stats["max_batch_size_seen"] <= stats["max_batch_size"]  # rows in use, not n of running requests
 
 
+def test_int4_rows_of_a_continuous_batch_get_the_bits_of_their_solo_runs(tmp_path):
+    """Where tierlm's kernels run every product and the decode attention (x86), a continuous batch's row is
+    computed as it is alone: the int4/int8 products sum each activation row on its own (tests/test_kernels.py),
+    and the attention kernel cuts a row's attended slots into chunks by rank, not by slot index (in a
+    continuous step this step's key sits in a scratch column past the longest row). So each greedy request's
+    log probabilities are exactly its solo run's. fp32 activations, so that a difference of one fp32 ulp in
+    the attention reaches the logits (the kernel cutting chunks by slot index failed here; bf16's rounding
+    hides most such differences, and the default model's bf16 greedy rows drifted only after dozens of
+    tokens)."""
+    from tierlm import kernels
+    from tierlm.models import layers
+    from tierlm.quant import Int4Linear, Int8Linear
+
+    if kernels.int4_block() is None or not layers.attention_kernel():
+        pytest.skip("tierlm's int4 and attention kernels do not run here")
+    # K/V heads as wide as the query heads: every projection a multiple of 64 rows, all on the int4 kernel
+    model = tierlm.load(
+        write_served_model(tmp_path / "tiny", num_key_value_heads=4), dtype="float32", quantize="int4"
+    )
+    products = [m for m in model.decoder.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert len(products) == 15 and all(m.kernel for m in products)  # 7 per layer, the LM head int8
+    rng = random.Random(3)
+    jobs = [
+        ([rng.randrange(3, 300) for _ in range(length)], 60 + 10 * (i % 4))
+        for i, length in enumerate([3, 29, 9, 70, 17, 5, 41, 12])
+    ]
+
+    def run(url: str, i: int, started: threading.Event | None = None) -> tuple[list, list]:
+        """Stream job i; its tokens and log probabilities. `started` is set at its first token."""
+        ids, n = jobs[i]
+        body = {
+            "model": NAME,
+            "prompt": ids,
+            "max_tokens": n,
+            "temperature": 0,
+            "logprobs": 1,
+            "stream": True,
+        }
+        tokens, values = [], []
+        with httpx.Client(trust_env=False, timeout=120) as c:
+            with c.stream("POST", f"{url}{COMPLETIONS}", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                        tokens += lp["tokens"] if lp else []
+                        values += lp["token_logprobs"] if lp else []
+                        if started is not None and tokens:
+                            started.set()
+        return tokens, values
+
+    with serve(model, max_batch_size=8) as live:
+        solo = [run(live.url, i) for i in range(len(jobs))]
+        # each request sent once the one before it has its first token: every prompt is prefilled alone (rows
+        # prefilled together are padded to one length, which rounds them by batch), then joins the running rows
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = []
+            for i in range(len(jobs)):
+                started = threading.Event()
+                futures.append(pool.submit(run, live.url, i, started))
+                assert started.wait(60) or futures[-1].done()
+            together = [f.result() for f in futures]
+        assert live.stats()["max_batch_size_seen"] >= 4
+    for i, (alone, batched) in enumerate(zip(solo, together)):
+        assert batched == alone, i
+
+
 def test_compiled_continuous_batch_equals_eager(tiny_dir):
     """With --compile the batch keeps fixed shapes (3 rows padded to 4, steps at 1, 2 or 4 rows); texts do
     not change."""

@@ -619,10 +619,13 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 
 // ---- decode attention: one new query position per row, grouped-query heads, over a K/V cache -------------
 // out[b, h] = softmax(scale * q[b, h] . K[b, h / G]^T, masked) V[b, h / G], G = H / KV query heads per K/V head,
-// in fp32 whatever the inputs' dtype (bf16 or fp32), rounded once to q's dtype. The cache is split into
-// chunks of CHUNK slots; each (row, K/V head, chunk) is a task that reads its keys and values once for all G
-// heads and keeps its own max, sum and unnormalised output, merged at the end as in split-K ("flash")
-// decoding. Replaces two tiny matmuls and a softmax: faster, and inductor renders no GEMM template for it.
+// in fp32 whatever the inputs' dtype (bf16 or fp32), rounded once to q's dtype. A row's attended slots (its
+// mask's true ones, in slot order) are split into chunks of CHUNK; each (row, K/V head, chunk) is a task that
+// reads its keys and values once for all G heads and keeps its own max, sum and unnormalised output, merged at
+// the end as in split-K ("flash") decoding. Chunks are cut by a slot's rank among the attended ones, not by its
+// index, so a row's result depends only on its attended keys and values in order, not on where they sit: alone,
+// after a batch's left padding, or with a continuous step's key in a scratch column, the same bits. Replaces
+// two tiny matmuls and a softmax: faster, and inductor renders no GEMM template for it.
 constexpr int64_t CHUNK = 64;
 
 // e^x for x <= 0 (scores less their max), 8 lanes: Cephes' expf (range reduction by ln 2, a degree-6
@@ -649,22 +652,17 @@ struct Partial {  // one task's share of G heads: the max score, the sum of e^(s
   float max, sum;
 };
 
-// One task: slots [l0, l1) of one row's K/V head for its G query heads. qf: G x d scaled queries in fp32;
-// k, v: the head's first slot, `ls` elements between slots; m: the row's mask, `ms` between slots. Writes
-// part[g] and o[g * d ...] (unnormalised)
+// One task: the attended slots slot[0..n) (n <= CHUNK) of one row's K/V head for its G query heads. qf: G x d
+// scaled queries in fp32; k, v: the head's first slot, `ls` elements between slots. Writes part[g] and
+// o[g * d ...] (unnormalised)
 template <int G, typename T>
-void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const bool* m, int64_t ms, int64_t d,
-                  int64_t l0, int64_t l1, Partial* part, float* o) {
+void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const int32_t* slot, int64_t n, int64_t d,
+                  Partial* part, float* o) {
   alignas(32) float s[G][CHUNK];
-  const int64_t n = l1 - l0, nv = d / 8;
+  const int64_t nv = d / 8;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t l = l0 + j;
-    if (!m[l * ms]) {
-      for (int g = 0; g < G; ++g) s[g][j] = neg_inf;
-      continue;
-    }
-    const T* kl = k + l * ls;
+    const T* kl = k + slot[j] * ls;
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nv; ++i) {
@@ -681,7 +679,7 @@ void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const boo
     for (int64_t j = 0; j < n; ++j) mx = (s[g][j] > mx || std::isnan(s[g][j])) ? s[g][j] : mx;
     part[g].max = mx;
     __m256 sum = _mm256_setzero_ps();
-    if (mx != neg_inf) {  // every slot masked: the weights stay -inf and are never used
+    if (mx != neg_inf) {  // every score -inf (infinite inputs): the merge skips this share
       const __m256 vmx = _mm256_set1_ps(mx);
       for (int64_t j = 0; j < nj; ++j) {
         const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(s[g] + 8 * j), vmx));
@@ -699,8 +697,7 @@ void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const boo
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < W; ++i) acc[g][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      if (!m[(l0 + j) * ms]) continue;
-      const T* vl = v + (l0 + j) * ls + 8 * i0;
+      const T* vl = v + slot[j] * ls + 8 * i0;
       __m256 vv[W];
       for (int i = 0; i < w; ++i) vv[i] = load8(vl + 8 * i);
       for (int g = 0; g < G; ++g) {
@@ -714,8 +711,8 @@ void attend_chunk(const float* qf, const T* k, const T* v, int64_t ls, const boo
 }
 
 template <typename T>
-using ChunkFn = void (*)(const float*, const T*, const T*, int64_t, const bool*, int64_t, int64_t, int64_t, int64_t,
-                         Partial*, float*);
+using ChunkFn = void (*)(const float*, const T*, const T*, int64_t, const int32_t*, int64_t, int64_t, Partial*,
+                         float*);
 
 template <typename T>
 ChunkFn<T> chunk_fn(int64_t g) {
@@ -735,34 +732,52 @@ ChunkFn<T> chunk_fn(int64_t g) {
 template <typename T, typename Q>
 void decode_attention_run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                           const at::Tensor& mask, float scale, int64_t len, at::Tensor& out) {
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(1);
-  const int64_t g = h / kvh, chunks = (len + CHUNK - 1) / CHUNK, tasks = b * kvh * chunks;
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(1), g = h / kvh;
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t ms = mask.stride(-1), mb = mask.stride(0);
+  // each row's attended slots, in slot order (row r's from r * len), and the most chunks a row has (1 for a
+  // row that attends nothing: its one empty task makes the merge answer NaN)
+  std::vector<int32_t> slots(b * len);
+  std::vector<int64_t> attended(b);
+  int64_t chunks = 1;
+  for (int64_t r = 0; r < b; ++r) {
+    int32_t* sr = slots.data() + r * len;
+    int64_t n = 0;
+    for (int64_t l = 0; l < len; ++l)
+      if (mp[r * mb + l * ms]) sr[n++] = static_cast<int32_t>(l);
+    attended[r] = n;
+    chunks = std::max(chunks, (n + CHUNK - 1) / CHUNK);
+  }
+  const int64_t tasks = b * kvh * chunks;
   const ChunkFn<T> fn = chunk_fn<T>(g);
   const Q* qp = q.data_ptr<Q>();
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
-  const bool* mp = mask.data_ptr<bool>();
-  const int64_t ms = mask.stride(-1), mb = mask.stride(0);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<Partial> parts(tasks * g);
   std::vector<float> outs(tasks * g * d);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c = t % chunks, head = (t / chunks) % kvh, row = t / (chunks * kvh);
+      const int64_t l0 = c * CHUNK, n = std::min(attended[row], l0 + CHUNK) - l0;
+      if (n <= 0) {  // past this row's attended slots: an empty share, skipped by the merge
+        for (int64_t j = 0; j < g; ++j) parts[t * g + j] = Partial{neg_inf, 0.f};
+        continue;
+      }
       for (int64_t j = 0; j < g; ++j) {  // the G query heads of this K/V head, scaled, in fp32
         const Q* qh = qp + row * q.stride(0) + (head * g + j) * q.stride(1);
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = static_cast<float>(qh[i]) * scale;
       }
       const int64_t off = row * keys.stride(0) + head * keys.stride(1);
       const int64_t voff = row * values.stride(0) + head * values.stride(1);
-      fn(qf.data(), kp + off, vp + voff, keys.stride(2), mp + row * mb, ms, d, c * CHUNK,
-         std::min(len, (c + 1) * CHUNK), parts.data() + t * g, outs.data() + t * g * d);
+      fn(qf.data(), kp + off, vp + voff, keys.stride(2), slots.data() + row * len + l0, n, d, parts.data() + t * g,
+         outs.data() + t * g * d);
     }
   });
   // merge the chunks of each (row, query head): rescale each chunk's sums to the overall max (in parallel
   // where there is enough of it: long caches, many heads)
   Q* op = out.data_ptr<Q>();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, b * h, std::max<int64_t>(1, 16384 / (chunks * d)), [&](int64_t begin, int64_t end) {
     std::vector<float> acc(d);
     for (int64_t rh = begin; rh < end; ++rh) {
