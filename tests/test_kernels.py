@@ -353,6 +353,17 @@ def test_decode_attention_depends_on_a_rows_attended_slots_not_where_they_sit(op
         keys[r, :, slots], values[r, :, slots], mask[r, slots] = k[r], v[r], True
     keys[~mask[:, None, :, None].expand_as(keys)] = float("nan")  # masked slots are never read
     assert torch.equal(ops.decode_attention(q, keys, values, mask, 0.125), alone)
+    # rows with fewer chunks than the batch's longest: 40 attended slots after padding, and none (NaN)
+    short = torch.ones(1, 40, dtype=torch.bool)
+    first = ops.decode_attention(q[:1], k[:1, :, :40].contiguous(), v[:1, :, :40].contiguous(), short, 0.125)
+    mask[1], mask[2] = False, False
+    mask[1, 70:110] = True
+    keys[1, :, 70:110], values[1, :, 70:110] = k[0, :, :40], v[0, :, :40]
+    q2 = q.clone()
+    q2[1] = q[0]
+    out = ops.decode_attention(q2, keys, values, mask, 0.125)
+    assert torch.equal(out[1], first[0]) and out[2].isnan().all()
+    assert torch.equal(out[0], alone[0]) and torch.equal(out[3], alone[3])
 
 
 def test_decode_attention_reads_a_strided_cache_and_its_own_scale(ops):

@@ -623,8 +623,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 // mask's true ones, in slot order) are split into chunks of CHUNK; each (row, K/V head, chunk) is a task that
 // reads its keys and values once for all G heads and keeps its own max, sum and unnormalised output, merged at
 // the end as in split-K ("flash") decoding. Chunks are cut by a slot's rank among the attended ones, not by its
-// index, so a row's result depends only on its attended keys and values in order, not on where they sit: alone,
-// after a batch's left padding, or with a continuous step's key in a scratch column, the same bits. Replaces
+// index, so a row's result depends only on its attended keys and values in slot order, not on where they sit:
+// alone, after a batch's left padding, or with a continuous step's key in a scratch column, the same bits (a
+// sliding layer's ring is the exception: its slot order is a rotation of the keys' order, which left padding
+// changes). Replaces
 // two tiny matmuls and a softmax: faster, and inductor renders no GEMM template for it.
 constexpr int64_t CHUNK = 64;
 
@@ -806,8 +808,10 @@ void decode_attention_run(const at::Tensor& q, const at::Tensor& keys, const at:
 // The checks of decode_attention over the first `len` slots of keys and values
 void check_attention(const char* op, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                      const at::Tensor& mask, int64_t len) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && q.device().is_cpu(), op,
-              ": q must be [B, H, d], keys and values [B, KV, L, d], on the CPU");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && q.device().is_cpu() && keys.device().is_cpu() &&
+                  values.device().is_cpu() && mask.device().is_cpu(),
+              op, ": q must be [B, H, d], keys and values [B, KV, L, d], on the CPU");
+  TORCH_CHECK(len <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 slots");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(1);
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == b && keys.size(3) == d && kvh > 0 && h > 0 && h % kvh == 0 &&
                   h / kvh <= 8 && d % 8 == 0 && d > 0 && len > 0 && len <= keys.size(2),
