@@ -158,3 +158,16 @@ def attention_lengths(monkeypatch) -> list[int]:
     monkeypatch.setattr(layers, "grouped_attention", spy)
     monkeypatch.setattr(layers, "rope_attention", fused_spy)
     return seen
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """tierlm's built CPU kernels (torch.ops.tierlm_avx2), or a skip where they do not build or run."""
+    from tierlm import kernels
+
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("the kernels need an x86 CPU with AVX2")
+    built = kernels.loaded()
+    if built is None:
+        pytest.skip("the kernels do not build here")
+    return built
