@@ -139,24 +139,29 @@ def layer_bodies(monkeypatch) -> list:
 def attention_lengths(monkeypatch) -> list[int]:
     """The key length (cache slots) each grouped-attention call reads, in call order, from here on: through
     `grouped_attention`, or through the kernel that also rotates and writes the step's K/V
-    (`rope_attention`, which attends over the mask's length)."""
+    (`decode_rope_attention`, which attends over the mask's length; called by `layers.rope_attention` and
+    by layer programs, which take the op when a generation starts: after this fixture)."""
     from tierlm.models import layers
 
     seen: list[int] = []
-    attend, fused = layers.grouped_attention, layers.rope_attention
+    attend = layers.grouped_attention
 
     def spy(q, k, v, mask, *args, **kwargs):
         seen.append(k.shape[2])
         return attend(q, k, v, mask, *args, **kwargs)
 
-    def fused_spy(q, k, v, cos, sin, keys, values, slots, mask, *args, **kwargs):
-        out = fused(q, k, v, cos, sin, keys, values, slots, mask, *args, **kwargs)
-        if out is not None:
-            seen.append(mask.shape[-1])
-        return out
-
     monkeypatch.setattr(layers, "grouped_attention", spy)
-    monkeypatch.setattr(layers, "rope_attention", fused_spy)
+    from tierlm import kernels
+
+    namespace = kernels.selected()  # torch.ops.tierlm_avx2, or None: aten's kernels run here
+    fused = getattr(namespace, "decode_rope_attention", None)
+    if fused is not None:
+
+        def fused_spy(q, k, v, cos, sin, keys, values, slots, mask, *args):
+            seen.append(mask.shape[-1])
+            return fused(q, k, v, cos, sin, keys, values, slots, mask, *args)
+
+        monkeypatch.setattr(namespace, "decode_rope_attention", fused_spy)
     return seen
 
 

@@ -8,6 +8,7 @@ import torch
 from agreement import greedy
 from conftest import write_tiny_checkpoint
 from test_gemma3 import write_gemma3
+from test_server import write_tokenizer
 
 import tierlm
 import tierlm.model
@@ -36,6 +37,16 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("programs")
     paths = {f: write_tiny_checkpoint(root / f, f, WIDE) for f in ("llama", "qwen2", "qwen3", "mistral")}
     paths["gemma3"] = write_gemma3(root / "gemma3", "untied")  # sliding layers (rings) and full ones
+    return paths
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Checkpoints with a tokenizer, as a continuous batch (which streams text) needs."""
+    root = tmp_path_factory.mktemp("served_programs")
+    paths = {f: write_tiny_checkpoint(root / f, f, WIDE) for f in ("llama", "qwen2", "qwen3")}
+    for path in paths.values():
+        write_tokenizer(path)
     return paths
 
 
@@ -201,16 +212,18 @@ def test_a_hooked_layer_runs_as_a_module(checkpoints, monkeypatch, where):
 
 
 def test_programs_run_over_their_own_static_cache_only(checkpoints):
-    """No programs for a dynamic cache or a continuous batch's slots (no static view a step writes at its
-    slot); a forward given programs with another cache is an error, not a write into the wrong cache."""
+    """No programs for a dynamic cache or a compiled continuous batch's slots (each row written at its own
+    slot in the step); an eager continuous batch's slots have them (the step writes one scratch column); a
+    forward given programs with another cache is an error, not a write into the wrong cache."""
     from tierlm.cache import DynamicCache
     from tierlm.generation.slots import SlotCache
 
     model = tierlm.load(checkpoints["llama"], dtype="bfloat16")
     decoder, cfg = model.decoder, model.config
     assert decode_programs(decoder, DynamicCache(cfg, 1, "cpu")) is None
-    slots = SlotCache(model.static_cache(2, 64), 2)
-    assert decode_programs(decoder, slots) is None
+    assert decode_programs(decoder, SlotCache(model.static_cache(2, 64), 2)) is None
+    eager = decode_programs(decoder, SlotCache(model.static_cache(2, 64), 2, eager=True))
+    assert eager is not None and eager.layers == 2 and eager.rows == 2
     programs = decode_programs(decoder, model.static_cache(1, 64))
     assert programs is not None and programs.layers == 2
     other = model.static_cache(1, 128)
@@ -232,3 +245,82 @@ def test_the_default_model_decodes_through_programs_bit_for_bit(default_model_pa
     fast, slow, built = with_and_without_programs(model, monkeypatch, 1)
     assert built == list(range(30))
     assert torch.equal(fast.logits, slow.logits)
+
+
+def continuous(
+    model, prompts, new_tokens: int, rows: int = 4
+) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and their log probabilities per prompt from an eager continuous batch (SlotBatch) of
+    `rows` rows that the prompts join one at a time, each once the one before it decodes (so each is
+    prefilled alone and decodes beside the others: steps of 1 to len(prompts) rows); and the decode steps."""
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.generation.continuous import Sequence, SlotBatch
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, logprobs=0)
+    batch = SlotBatch(model, rows, config)
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    values: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    waiting = list(enumerate(prompts))
+    while waiting or batch.busy:
+        if waiting and not batch.waiting:
+            key, prompt = waiting.pop(0)
+            batch.join(Sequence(key, list(prompt), config))
+        for u in batch.advance():
+            if u.token is not None:
+                tokens[u.key].append(u.token)
+                values[u.key].append(u.logprob.logprob)
+    assert not batch.decision.compile
+    return list(tokens.values()), list(values.values()), batch.stats["decode_steps"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int4", "int8 float32"])
+def test_a_continuous_batch_decodes_through_programs_bit_for_bit(served, monkeypatch, family, weights):
+    """An eager continuous batch's steps write this step's K/V at a scratch column, as a static cache's step
+    writes at its slot, so every layer runs its program at every decode step (rows joining and leaving:
+    programs for each row count), and each row's tokens and log probabilities equal the module path's."""
+    weights, _, activations = weights.partition(" ")
+    quantize = weights if weights in ("int8", "int4") else None
+    dtype = activations or ("float32" if weights == "float32" else "bfloat16")
+    model = tierlm.load(
+        served[family], dtype=dtype, quantize=quantize, group_size=32 if quantize == "int4" else None
+    )
+    layer_count = len(model.decoder.model.layers)
+    calls: dict[int, int] = {}
+
+    def recording(*args):
+        programs = decode_programs(*args)
+        assert programs is not None and programs.layers == layer_count
+        programs.by_layer = [counted(i, p) for i, p in enumerate(programs.by_layer)]
+        return programs
+
+    def counted(i, program):
+        def run(*args):
+            calls[i] = calls.get(i, 0) + 1
+            return program(*args)
+
+        return run
+
+    monkeypatch.setattr(tierlm.model, "decode_programs", recording)
+    fast_tokens, fast_values, steps = continuous(model, PROMPTS, 12)
+    assert steps > 12 and calls == dict.fromkeys(range(layer_count), steps)
+    monkeypatch.setattr(tierlm.model, "decode_programs", lambda *args: None)
+    slow_tokens, slow_values, _ = continuous(model, PROMPTS, 12)
+    assert fast_tokens == slow_tokens
+    assert fast_values == slow_values
+
+
+def test_a_continuous_row_gets_the_bits_of_its_generate_run(served):
+    """bf16 activations, int4 weights: every product and the decode attention run on tierlm's kernels, which
+    sum each row on its own and attend over a row's keys in their order wherever they sit, and a continuous
+    step's rotary is the fused kernel's, as in generate's static steps (before this, a continuous step
+    rotated through aten's bf16 ops, which round each product). So each row's log probabilities beside
+    others in a continuous batch are exactly those of its own `generate` run."""
+    if kernels.int4_block() is None:
+        pytest.skip("tierlm's int4 kernel does not run here")
+    model = tierlm.load(served["llama"], dtype="bfloat16", quantize="int4", group_size=32)
+    tokens, values, _ = continuous(model, PROMPTS, 16)
+    for prompt, got, logprobs in zip(PROMPTS, tokens, values):
+        alone = model.generate([prompt], max_new_tokens=16, min_new_tokens=16, logprobs=0)
+        assert got == alone.token_ids[0]
+        assert logprobs == [lp.logprob for lp in alone.logprobs[0]]

@@ -327,13 +327,9 @@ class SlotBatch:
             scratch = self.length - 1
         else:  # past every slot written: decoding rows' positions and prefilling rows' prompt so far
             scratch = max(r.position if r.decoding else r.seq.prefilled for r in rows if r is not None)
-        logits = step(
-            self.tokens[:size],
-            self.positions[:size],
-            torch.tensor([scratch], device=self.device),
-            scratch + 1,
-        )
-        cache.commit(active)
+        slots = torch.tensor([scratch], device=self.device)
+        logits = step(self.tokens[:size], self.positions[:size], slots, scratch + 1)
+        cache.commit(active, slots)
         index = torch.tensor(decoding, device=self.device)
         logits = logits[index]
         tokens = self.sampler(logits, decoding)
@@ -351,7 +347,7 @@ class SlotBatch:
     def _view(self, size: int):
         """The SlotCache over the first `size` rows and its decode step (compiled if decide() said so)."""
         if size not in self._views:
-            cache = SlotCache(self.cache, size)
+            cache = SlotCache(self.cache, size, eager=not self.decision.compile)
             if self.decision.compile and self.packaged:  # its inputs are this SlotCache's own tensors
                 step = self.model.packages.step(cache, self.config.compile_config or CompileConfig())
                 self.steps[size] = step.how
