@@ -39,7 +39,12 @@ def test_attention_reads_the_length_it_is_given(tiny_checkpoints, attention_leng
         )
         assert seen == [6] * cfg.num_layers  # the one-token step: grouped attention over 6 slots
         k = torch.zeros(1, cfg.num_kv_heads, 1, cfg.head_dim)
-        for view in (cache, RowsView(cache, slice(0, 1)), SlotCache(cache, 1)):  # every static cache kind
+        for view in (
+            cache,
+            RowsView(cache, slice(0, 1)),
+            SlotCache(cache, 1),
+            SlotCache(cache, 1, eager=True),
+        ):
             assert view.mark_valid(torch.tensor([5]), torch.ones(1, 1, dtype=torch.bool), 6).shape[1] == 6
             assert view.update(0, k, k, torch.tensor([5]), 6)[0].shape[2] == 6
     assert _settings(cache) == before  # nothing written into the cache besides its tensors

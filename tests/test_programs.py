@@ -308,6 +308,10 @@ def test_a_continuous_batch_decodes_through_programs_bit_for_bit(served, monkeyp
     slow_tokens, slow_values, _ = continuous(model, PROMPTS, 12)
     assert fast_tokens == slow_tokens
     assert fast_values == slow_values
+    if dtype == "float32":  # and each row's own slots were written: its solo run's tokens
+        assert fast_tokens == [
+            greedy(model, [p], max_new_tokens=12, min_new_tokens=12).tokens[0] for p in PROMPTS
+        ]
 
 
 def test_a_continuous_row_gets_the_bits_of_its_generate_run(served):

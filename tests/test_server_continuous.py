@@ -212,6 +212,32 @@ def test_compiled_continuous_batch_equals_eager(tiny_dir):
     ]
 
 
+def test_a_batch_after_generate_over_its_cache_shape_decodes_with_its_tokens(tiny_dir, monkeypatch):
+    """A continuous batch reuses the model's static cache of its shape, which a generate() run made under
+    inference mode (joining wrote to it outside inference mode: an error). And where the model's compiled
+    step for that shape is bound to another cache (a whole step compiled by generate(); stubbed here), the
+    batch decodes eagerly instead, through layer programs over a scratch column, with the same tokens."""
+    from types import SimpleNamespace
+
+    from tierlm import CompileConfig
+    from tierlm.generation.continuous import Sequence, SlotBatch
+
+    model = tierlm.load(tiny_dir, dtype="float32")
+    prompt = model.tokenizer.encode(PROMPTS[0])
+    expected = model.generate(prompt, max_new_tokens=6, min_new_tokens=6)
+    bound_elsewhere = SimpleNamespace(cache=model.static_cache(2, 64))
+    monkeypatch.setattr(model, "compiled_step", lambda *args: bound_elsewhere)
+    config = GenerationConfig(compile_config=CompileConfig(), max_new_tokens=6, min_new_tokens=6)
+    batch = SlotBatch(model, 1, config)
+    batch.join(Sequence(0, prompt, config))
+    tokens = []
+    while batch.busy:
+        tokens += [u.token for u in batch.advance() if u.token is not None]
+    assert batch.decision.compile and batch.steps[1].startswith("eager"), batch.steps
+    assert hasattr(batch._views[1][0].views[0], "decode_slots")  # an eager view: programs, the fused kernel
+    assert tokens == expected.token_ids[0]
+
+
 # --- log probabilities -----------------------------------------------------------------------------------------
 
 

@@ -123,7 +123,8 @@ class Model:
                 del self._static_caches[old_key]
                 self._compiled.drop(*old_key[:2])
         self._static_caches[key] = cache  # most recently used last
-        cache.reset()
+        with torch.inference_mode(cache.valid.is_inference()):  # made by a run under inference mode
+            cache.reset()
         return cache
 
     def eager_step(self, cache):

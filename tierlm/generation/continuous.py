@@ -156,7 +156,8 @@ class SlotBatch:
         for choice, row in enumerate(rows):
             self.rows[row] = Row(seq, choice, TextTracker(tok.stream_decoder(), seq.stops))
             self.sampler.set_row(row, seq.config, seq.prompt, choice)
-            self.cache.valid[row] = False
+            with torch.inference_mode(self.cache.valid.is_inference()):  # a cache a generate() run made
+                self.cache.valid[row] = False
         seq.rows = rows
         if seq.config.prompt_logprobs is not None:
             ids = torch.tensor([seq.prompt], device=self.device)
@@ -192,9 +193,10 @@ class SlotBatch:
         self.model.decoder.ensure_rope(length, self.device)
         if self.cache is not None:  # rows in flight keep what they wrote
             old = self.cache
-            for new, kept in zip((*cache.keys, *cache.values), (*old.keys, *old.values)):
-                new[:, :, : self.length] = kept
-            cache.valid[:, : self.length] = old.valid
+            with torch.inference_mode(cache.valid.is_inference()):  # a cache a generate() run made
+                for new, kept in zip((*cache.keys, *cache.values), (*old.keys, *old.values)):
+                    new[:, :, : self.length] = kept
+                cache.valid[:, : self.length] = old.valid
         self.cache, self.length = cache, length
         self._views.clear()
         self.steps.clear()
@@ -329,7 +331,7 @@ class SlotBatch:
             scratch = max(r.position if r.decoding else r.seq.prefilled for r in rows if r is not None)
         slots = torch.tensor([scratch], device=self.device)
         logits = step(self.tokens[:size], self.positions[:size], slots, scratch + 1)
-        cache.commit(active, slots)
+        cache.commit(active, scratch)
         index = torch.tensor(decoding, device=self.device)
         logits = logits[index]
         tokens = self.sampler(logits, decoding)
@@ -369,6 +371,7 @@ class SlotBatch:
             self.steps[size] = "torch.compile (JIT), compiled on first use"
             return bound, step
         self.steps[size] = "eager: the model's compiled step for this shape is bound to another cache"
+        cache = SlotCache(self.cache, size, eager=True)  # its layers run as programs (over the whole cache)
         return cache, self.model.eager_step(cache)
 
     def _emit(self, row: int, token: int, logprob, prompt_lp=None) -> Update:

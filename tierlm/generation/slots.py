@@ -102,11 +102,11 @@ class SlotCache:
     ):
         return self.views[layer].update(layer, k, v, slots, length)
 
-    def commit(self, active: torch.Tensor, slots: torch.Tensor) -> None:
-        """After a step at `slots` (the scratch column): the slots the `active` rows [rows] bool just wrote
-        hold valid keys from now on (an eager step's are copied there from the scratch column first)."""
+    def commit(self, active: torch.Tensor, scratch: int) -> None:
+        """After a step at slot `scratch` (its scratch column): the slots the `active` rows [rows] bool just
+        wrote hold valid keys from now on (an eager step's are copied there from the scratch column first)."""
         for view in self.views:
-            view.keep(slots)
+            view.keep(scratch)
         self.valid.scatter_(1, self.row_slots, active[:, None])
 
 
@@ -137,7 +137,7 @@ class SlotLayerView:
             store.index_copy_(2, slots, new)  # the scratch column, where this step's queries see it
         return self.keys[:, :, :length], self.values[:, :, :length]
 
-    def keep(self, _slots: torch.Tensor) -> None:
+    def keep(self, _scratch: int) -> None:
         """After a step: each row's own slot holds its K/V already (`update` wrote it)."""
 
 
@@ -161,11 +161,13 @@ class ScratchLayerView(SlotLayerView):
         self.values.index_copy_(2, slots, v)
         return self.keys[:, :, :length], self.values[:, :, :length]
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Copy the scratch column `slots` [1] to each row's own slot (row i's to row_slots[i])."""
+    def keep(self, scratch: int) -> None:
+        """Copy the scratch column to each row's own slot (row i's to row_slots[i]). A Python int: a tensor
+        index would be read back from the device (a sync on a GPU); where a row's slot is the scratch
+        column itself, the same bytes are written back."""
         where = self.row_slots[:, 0]
         for store in (self.keys, self.values):
-            store[self._rows, :, where] = store[:, :, slots[0]]
+            store[self._rows, :, where] = store[:, :, scratch]
 
 
 def copy_rows(cache: StaticCache, source: int, targets: list[int], width: int) -> None:
