@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
 from tierlm.server.batcher import Scheduler
+from tierlm.server.compute import ComputeThread
 from tierlm.server.continuous import ContinuousScheduler
 from tierlm.server.errors import GuardMiddleware, install_error_handlers
 from tierlm.server.routes import ServerState, router
@@ -46,6 +47,7 @@ def build_app(
     default_max_tokens: int = 1024,
     batching: str = "continuous",
     max_model_len: int | None = None,
+    compute: ComputeThread | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
@@ -55,6 +57,8 @@ def build_app(
     request that arrives while every running batch decodes waits for one to end).
     `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
     compiled steps, the cache and its steps are sized for it as the server starts.
+    `compute`: the thread that loaded `model` (`ComputeThread.call(tierlm.load, ...)`), where the worker runs
+    too; torch work on two threads halves a CPU decode's speed (tierlm.server.compute). None: a new one.
     """
     _check_servable(model, max_body_bytes, default_max_tokens)
     scheduler = make_scheduler(
@@ -65,6 +69,7 @@ def build_app(
         base_config=generation_config,
         default_max_tokens=default_max_tokens,
         max_model_len=max_model_len,
+        compute=compute,
     )
     name = model_name or default_model_name(model)
     app = FastAPI(title="tierlm", lifespan=_lifespan(scheduler, name), docs_url=None, redoc_url=None)
@@ -100,7 +105,7 @@ def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kw
     if getattr(model, "packages", None) is not None:
         # Load or build the packaged steps now, not in uvicorn's lifespan: a failed build is then the CLI's
         # one-line error (not a traceback and exit 3), and Ctrl-C stops a cold build.
-        scheduler.prepare(report=logger.info)
+        scheduler.compute.call(scheduler.prepare, report=logger.info)
     return scheduler
 
 

@@ -6,12 +6,15 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierlm.compile import decide
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import static_cache_length
+from tierlm.server.compute import ComputeThread
 from tierlm.server.events import SHUTDOWN_MESSAGE, Event, QueueFull, Request, ShuttingDown
 
 if TYPE_CHECKING:
@@ -70,6 +73,8 @@ class Scheduler:
     """Owns the model on one worker thread; the asyncio side only submits and cancels requests.
 
     This one batches statically: requests queue while every running batch decodes, until one ends.
+    `compute`: the thread that loaded the model, where the worker's loop runs too (tierlm.server.compute:
+    torch work on two threads halves a CPU decode's speed); None: a thread of its own.
     """
 
     batching = "static"
@@ -82,6 +87,7 @@ class Scheduler:
         max_queue: int = 64,
         base_config: GenerationConfig | None = None,
         max_model_len: int | None = None,
+        compute: ComputeThread | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -99,7 +105,8 @@ class Scheduler:
         self._deadline: float | None = None  # after this, unfinished requests end with an error
         self._stopped = False
         self._blocked_by: Job | None = None  # the running batch whose static cache the queue's head waits for
-        self._thread: threading.Thread | None = None
+        self._compute = compute
+        self._working: Future | None = None  # the worker's loop, once started
         self._stats = {
             "batches": 0,
             "max_batch_size_seen": 0,
@@ -112,10 +119,17 @@ class Scheduler:
 
     # --- asyncio side -----------------------------------------------------------------------
 
+    @property
+    def compute(self) -> ComputeThread:
+        """The thread the worker's loop (and its start-up's torch work) runs on."""
+        if self._compute is None:
+            self._compute = ComputeThread()
+        return self._compute
+
     def start(self) -> None:
-        if self._thread is None and not self._stopped:
-            self._thread = threading.Thread(target=self._work, name="tierlm-worker", daemon=True)
-            self._thread.start()
+        if self._working is None and not self._stopped:
+            self._working = self.compute.submit(self._work)
+            self._working.add_done_callback(_report_crash)
 
     def submit(self, request: Request) -> None:
         self.start()  # normally started by the app's lifespan; this covers servers that skip it
@@ -155,8 +169,8 @@ class Scheduler:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._working is not None:
+            wait_for([self._working], timeout)
 
     @property
     def draining(self) -> bool:
@@ -384,3 +398,10 @@ class Scheduler:
         with self._cond:
             self._finish_reasons[reason] += 1
             self._stats["generated_tokens"] += tokens
+
+
+def _report_crash(working: Future) -> None:
+    """The worker's loop ended by an exception it did not handle (a bug): say so, as a thread's crash would."""
+    err = working.exception()
+    if err is not None:
+        logger.error("the worker stopped: %s", err, exc_info=err)

@@ -37,8 +37,8 @@ class ContinuousScheduler(Scheduler):
         self._batch: SlotBatch | None = None
 
     def start(self) -> None:
-        if self._thread is None and not self._stopped and self._batch is None:
-            self.prepare(report=logger.info)
+        if self._working is None and not self._stopped and self._batch is None:
+            self.compute.call(self.prepare, report=logger.info)
         super().start()
 
     def prepare(self, report=None) -> dict[int, str]:

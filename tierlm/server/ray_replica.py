@@ -29,11 +29,14 @@ class TierlmReplica:
 
         from tierlm.model import load
         from tierlm.server.app import build_app
+        from tierlm.server.compute import ComputeThread
 
         torch.set_num_threads(spec.threads)
         self.name = serve.get_replica_context().replica_id.unique_id
-        model = await asyncio.to_thread(load, **spec.load_kwargs)  # the replica's event loop stays responsive
-        self.app = build_app(model, **spec.app_kwargs)
+        # loaded on the thread its worker runs on (tierlm.server.compute); the event loop stays responsive
+        compute = ComputeThread()
+        model = await asyncio.wrap_future(compute.submit(load, **spec.load_kwargs))
+        self.app = build_app(model, compute=compute, **spec.app_kwargs)
         self.scheduler = self.app.state.tierlm.scheduler
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the worker thread, as uvicorn would
