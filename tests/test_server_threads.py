@@ -73,3 +73,37 @@ def test_a_compute_thread_runs_jobs_in_order_and_hands_back_errors():
         compute.call(lambda: (_ for _ in ()).throw(ValueError("bad job")))
     assert compute.call(lambda: compute.call(threading.get_ident)) == compute.ident  # a job calling another
     assert compute.call(torch.get_num_threads) == torch.get_num_threads()
+
+
+def test_releasing_a_threads_openmp_team_ends_the_teams_threads():
+    """build_app(model) without a ComputeThread frees its caller's OpenMP team (the caller loaded the model;
+    the worker's own thread decodes): the team's threads end, and a parallel op makes a new team."""
+    import os
+    import time
+
+    from tierlm.server.compute import release_openmp_team
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one torch thread: no OpenMP team")
+
+    def tasks() -> set[int]:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+
+    def parallel_op() -> None:
+        torch.ones(1 << 24).add_(1)  # at::parallel_for over 16M elements: the calling thread's team runs it
+
+    compute = ComputeThread(name="tierlm-test")
+    compute.call(lambda: None)
+    before = tasks()
+    compute.call(parallel_op)
+    team = tasks() - before
+    assert len(team) == threads - 1, (team, threads)  # the calling thread is the team's first
+    if not compute.call(release_openmp_team):
+        pytest.skip("torch's OpenMP is not GNU OpenMP here")
+    deadline = time.monotonic() + 10
+    while team & tasks():
+        assert time.monotonic() < deadline, "the team's threads did not end"
+        time.sleep(0.01)
+    compute.call(parallel_op)
+    assert len(tasks() - before) == threads - 1  # a new team

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
 from tierlm.server.batcher import Scheduler
-from tierlm.server.compute import ComputeThread
+from tierlm.server.compute import ComputeThread, release_openmp_team
 from tierlm.server.continuous import ContinuousScheduler
 from tierlm.server.errors import GuardMiddleware, install_error_handlers
 from tierlm.server.routes import ServerState, router
@@ -58,9 +58,13 @@ def build_app(
     `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
     compiled steps, the cache and its steps are sized for it as the server starts.
     `compute`: the thread that loaded `model` (`ComputeThread.call(tierlm.load, ...)`), where the worker runs
-    too; torch work on two threads halves a CPU decode's speed (tierlm.server.compute). None: a new one.
+    too; torch work on two threads halves a CPU decode's speed (tierlm.server.compute). None: a new one,
+    and the calling thread's OpenMP team is freed (`release_openmp_team`; it makes a new one if it runs
+    parallel torch ops again, which then slows the worker's).
     """
     _check_servable(model, max_body_bytes, default_max_tokens)
+    if compute is None:  # the caller's thread loaded the model; the worker's own thread will decode it
+        release_openmp_team()
     scheduler = make_scheduler(
         model,
         batching,

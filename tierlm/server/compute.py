@@ -8,15 +8,22 @@ and decoded on a worker thread held two teams and decoded at half speed: the def
 row, 2 threads of a Zen 5) took 10.4-11.5 ms a step on the worker against 4.9-6.1 ms where the same
 thread had loaded it (and main-thread steps slowed as much once the worker had run). So a server
 loads its model, builds or loads its compiled steps and runs its scheduler's loop on one ComputeThread.
+A server built for a model that the caller's thread loaded (`build_app(model)` without one) frees that
+thread's team instead (`release_openmp_team`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
+
+OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the threads, keep nothing
+_gomp: list = []  # torch's GNU OpenMP library once found (ctypes.CDLL), else empty
 
 
 class ComputeThread:
@@ -56,3 +63,31 @@ class ComputeThread:
                 future.set_exception(err)
             else:
                 future.set_result(result)
+
+
+def release_openmp_team() -> bool:
+    """Free the calling thread's OpenMP team, so that the process's torch work runs on another thread's team
+    alone (a server whose model this thread loaded decodes on its worker). GNU OpenMP's
+    `omp_pause_resource_all`, called in torch's own libgomp; the thread makes a new team if it runs a
+    parallel torch op again. Returns whether it did: False where torch's OpenMP is not GNU's (macOS's
+    libomp, a build without OpenMP), which does not throttle its threads this way."""
+    lib = _libgomp()
+    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+def _libgomp():
+    """torch's libgomp, as this process loaded it (/proc/self/maps), or None."""
+    if not _gomp:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+        paths = sorted({line.split()[-1] for line in maps.splitlines() if "/libgomp" in line.split()[-1]})
+        if len(paths) != 1:  # none loaded yet, or two copies: which one torch calls is unknown
+            return None
+        lib = ctypes.CDLL(paths[0])  # the loaded library itself: dlopen of its path returns its handle
+        if not hasattr(lib, "omp_pause_resource_all"):  # before GCC 9
+            return None
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+        _gomp.append(lib)
+    return _gomp[0]
