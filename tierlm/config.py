@@ -212,24 +212,8 @@ class ModelConfig:
         hidden = count("embedding_length")
         num_heads = count("attention.head_count")
         vocab = keys.get("vocab_size") or n_vocab_tensor or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = _gguf_rope_scaling(keys, prefix)
         head_dim = count("attention.key_length", hidden // num_heads)  # as llama.cpp reads it
-        rotated = count("rope.dimension_count", head_dim)
-        if rotated != head_dim:  # llama.cpp refuses such a file for these architectures too
-            raise ValueError(
-                f"{prefix}rope.dimension_count {rotated} rotates part of a {head_dim}-wide head "
-                "(partial rotary), which these architectures do not have"
-            )
-        if rope_freqs is not None:
-            if len(rope_freqs) != head_dim // 2:
-                raise ValueError(
-                    f"rope_freqs has {len(rope_freqs)} factors, head_dim {head_dim} needs {head_dim // 2}"
-                )
-            if scaling.rope_type != "default":
-                raise ValueError(
-                    f"rope_freqs beside rope scaling {scaling.rope_type!r}: which applies is unclear"
-                )
-            scaling = RopeScaling("freq_factors", freq_factors=tuple(rope_freqs))
+        scaling = _gguf_rotary(keys, prefix, head_dim, rope_freqs)
         kinds = (
             _gguf_layer_kinds(keys, prefix, head_dim)
             if family_for(MODEL_TYPES[arch_name]).layer_kinds
@@ -257,6 +241,29 @@ class ModelConfig:
             torch_dtype=None,
             **kinds,
         )
+
+
+def _gguf_rotary(
+    keys: dict[str, Any], prefix: str, head_dim: int, rope_freqs: list[float] | None
+) -> RopeScaling:
+    """The rotary scaling of a GGUF's keys, or of its `rope_freqs` tensor (one factor per frequency), over
+    whole heads: llama.cpp refuses partial rotary for these architectures too."""
+    scaling = _gguf_rope_scaling(keys, prefix)
+    rotated = positive_int(keys, "rope.dimension_count", head_dim, prefix)
+    if rotated != head_dim:
+        raise ValueError(
+            f"{prefix}rope.dimension_count {rotated} rotates part of a {head_dim}-wide head "
+            "(partial rotary), which these architectures do not have"
+        )
+    if rope_freqs is None:
+        return scaling
+    if len(rope_freqs) != head_dim // 2:
+        raise ValueError(
+            f"rope_freqs has {len(rope_freqs)} factors, head_dim {head_dim} needs {head_dim // 2}"
+        )
+    if scaling.rope_type != "default":
+        raise ValueError(f"rope_freqs beside rope scaling {scaling.rope_type!r}: which applies is unclear")
+    return RopeScaling("freq_factors", freq_factors=tuple(rope_freqs))
 
 
 def _gguf_rope_scaling(keys: dict[str, Any], prefix: str) -> RopeScaling:
