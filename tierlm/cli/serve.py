@@ -46,18 +46,16 @@ def check_bind(host: str, port: int) -> None:
 def cmd_serve(args) -> int:
     from tierlm.generation.config import GenerationConfig
     from tierlm.server import run_server
-    from tierlm.server.compute import ComputeThread
 
     check_serve_args(args)
     if not args.ray_address:  # a cluster's proxy listens on its own head node
         check_bind(args.host, args.port)
     if args.replicas is not None or args.ray_address:
         return serve_replicas(args)
-    compute = ComputeThread()  # loads the model and runs the worker: torch work on one thread
-    model = compute.call(load_model, args)
+    model = load_model(args)  # on this thread, whose OpenMP team build_app frees: the worker decodes
     check_max_model_len(model, args.max_model_len)
     if (cc := compile_config(args)) is not None and served_statically(model, args.batching):
-        compute.call(prepare_served_packages, model, cc, args.max_batch_size, args.max_model_len)
+        prepare_served_packages(model, cc, args.max_batch_size, args.max_model_len)
     elif cc is not None:  # the continuous worker loads or builds its packaged steps as it starts
         model.use_compiled_packages()
     run_server(
@@ -70,7 +68,6 @@ def cmd_serve(args) -> int:
         batching=args.batching,
         model_name=getattr(args, "served_model_name", None),
         max_model_len=args.max_model_len,
-        compute=compute,
     )
     return 0
 

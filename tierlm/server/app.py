@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
 from tierlm.server.batcher import Scheduler
-from tierlm.server.compute import ComputeThread, release_openmp_team
+from tierlm.server.compute import release_openmp_team
 from tierlm.server.continuous import ContinuousScheduler
 from tierlm.server.errors import GuardMiddleware, install_error_handlers
 from tierlm.server.routes import ServerState, router
@@ -47,7 +47,6 @@ def build_app(
     default_max_tokens: int = 1024,
     batching: str = "continuous",
     max_model_len: int | None = None,
-    compute: ComputeThread | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
@@ -57,14 +56,11 @@ def build_app(
     request that arrives while every running batch decodes waits for one to end).
     `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
     compiled steps, the cache and its steps are sized for it as the server starts.
-    `compute`: the thread that loaded `model` (`ComputeThread.call(tierlm.load, ...)`), where the worker runs
-    too; torch work on two threads halves a CPU decode's speed (tierlm.server.compute). None: a new one,
-    and the calling thread's OpenMP team is freed (`release_openmp_team`; it makes a new one if it runs
-    parallel torch ops again, which then slows the worker's).
+    The worker decodes on a thread of its own; the calling thread, which loaded `model`, has its OpenMP
+    team freed (`release_openmp_team`): torch work on two threads halves a CPU decode's speed
+    (tierlm.server.compute). Parallel torch ops it runs later make a new team, which slows the worker's.
     """
     _check_servable(model, max_body_bytes, default_max_tokens)
-    if compute is None:  # the caller's thread loaded the model; the worker's own thread will decode it
-        release_openmp_team()
     scheduler = make_scheduler(
         model,
         batching,
@@ -73,8 +69,8 @@ def build_app(
         base_config=generation_config,
         default_max_tokens=default_max_tokens,
         max_model_len=max_model_len,
-        compute=compute,
     )
+    release_openmp_team()  # this thread loaded the model (and prepared packaged steps); the worker decodes
     name = model_name or default_model_name(model)
     app = FastAPI(title="tierlm", lifespan=_lifespan(scheduler, name), docs_url=None, redoc_url=None)
     app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
@@ -109,7 +105,7 @@ def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kw
     if getattr(model, "packages", None) is not None:
         # Load or build the packaged steps now, not in uvicorn's lifespan: a failed build is then the CLI's
         # one-line error (not a traceback and exit 3), and Ctrl-C stops a cold build.
-        scheduler.compute.call(scheduler.prepare, report=logger.info)
+        scheduler.prepare(report=logger.info)
     return scheduler
 
 

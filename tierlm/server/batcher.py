@@ -73,8 +73,8 @@ class Scheduler:
     """Owns the model on one worker thread; the asyncio side only submits and cancels requests.
 
     This one batches statically: requests queue while every running batch decodes, until one ends.
-    `compute`: the thread that loaded the model, where the worker's loop runs too (tierlm.server.compute:
-    torch work on two threads halves a CPU decode's speed); None: a thread of its own.
+    Its worker's loop, and the torch work of its start-up, run on a ComputeThread of its own, which ends
+    when it stops.
     """
 
     batching = "static"
@@ -87,7 +87,6 @@ class Scheduler:
         max_queue: int = 64,
         base_config: GenerationConfig | None = None,
         max_model_len: int | None = None,
-        compute: ComputeThread | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -105,7 +104,7 @@ class Scheduler:
         self._deadline: float | None = None  # after this, unfinished requests end with an error
         self._stopped = False
         self._blocked_by: Job | None = None  # the running batch whose static cache the queue's head waits for
-        self._compute = compute
+        self._compute: ComputeThread | None = None
         self._working: Future | None = None  # the worker's loop, once started
         self._stats = {
             "batches": 0,
@@ -121,7 +120,7 @@ class Scheduler:
 
     @property
     def compute(self) -> ComputeThread:
-        """The thread the worker's loop (and its start-up's torch work) runs on."""
+        """The thread the worker's loop (and its start-up's torch work) runs on, until `stop`."""
         if self._compute is None:
             self._compute = ComputeThread()
         return self._compute
@@ -171,6 +170,8 @@ class Scheduler:
             self._cond.notify()
         if self._working is not None:
             wait_for([self._working], timeout)
+        if self._compute is not None:  # the thread ends (with its OpenMP team) once its jobs are done
+            self._compute.close()
 
     @property
     def draining(self) -> bool:

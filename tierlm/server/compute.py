@@ -1,4 +1,5 @@
-"""`ComputeThread`: the one OS thread that runs all of a server's torch work.
+"""The threads of a server's torch work: `ComputeThread` runs its worker, `release_openmp_team` frees the
+OpenMP team of the thread that loaded the model.
 
 torch's CPU ops run their parallel loops on an OpenMP team that belongs to the OS thread calling them.
 Every thread that has run one keeps its team, and GNU OpenMP (torch's on Linux) throttles the spin-wait of
@@ -6,16 +7,16 @@ all its threads once they outnumber the cores: a team's threads then sleep betwe
 are woken for the next, hundreds of times a token. A server that loaded its model on the main thread
 and decoded on a worker thread held two teams and decoded at half speed: the default model (int4, one
 row, 2 threads of a Zen 5) took 10.4-11.5 ms a step on the worker against 4.9-6.1 ms where the same
-thread had loaded it (and main-thread steps slowed as much once the worker had run). So a server
-loads its model, builds or loads its compiled steps and runs its scheduler's loop on one ComputeThread.
-A server built for a model that the caller's thread loaded (`build_app(model)` without one) frees that
-thread's team instead (`release_openmp_team`).
+thread had loaded it (and main-thread steps slowed as much once the worker had run). So `build_app`
+frees its caller's team once the model is loaded and its compiled steps are prepared there, and the
+worker's team is the process's only one while it serves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: free the threads, keep nothing
-_gomp: list = []  # torch's GNU OpenMP library once found (ctypes.CDLL), else empty
+_CLOSE = object()  # the job that ends a ComputeThread
+_pause: list = []  # torch's omp_pause_resource_all once found, else empty
 
 
 class ComputeThread:
-    """A daemon thread that runs the callables given to it, one after another, in the order given.
-
-    `call` waits for the result (an exception is raised in the caller; Ctrl-C interrupts the wait and,
-    the thread being a daemon, does not wait for the work at exit); `submit` returns a Future.
+    """A daemon thread that runs the callables given to it, one after another, in the order given, until
+    `close`. `call` waits for the result (an exception is raised in the caller); `submit` returns a Future.
     """
 
     def __init__(self, name: str = "tierlm-worker") -> None:
@@ -48,46 +48,51 @@ class ComputeThread:
             return fn(*args, **kwargs)
         return self.submit(fn, *args, **kwargs).result()
 
+    def close(self) -> None:
+        """End the thread once the jobs given before are done (its OpenMP team ends with it)."""
+        self._jobs.put(_CLOSE)
+
     @property
     def ident(self) -> int | None:
         return self._thread.ident
 
     def _run(self) -> None:
-        while True:
-            future, fn, args, kwargs = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as err:  # the caller gets it; the thread takes the next job
-                future.set_exception(err)
-            else:
-                future.set_result(result)
+        while (job := self._jobs.get()) is not _CLOSE:
+            future, fn, args, kwargs = job
+            del job  # nothing of a finished job (a scheduler, its model) stays referenced while idle
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as err:  # the caller gets it; the thread takes the next job
+                    future.set_exception(err)
+            del future, fn, args, kwargs
 
 
 def release_openmp_team() -> bool:
     """Free the calling thread's OpenMP team, so that the process's torch work runs on another thread's team
     alone (a server whose model this thread loaded decodes on its worker). GNU OpenMP's
-    `omp_pause_resource_all`, called in torch's own libgomp; the thread makes a new team if it runs a
-    parallel torch op again. Returns whether it did: False where torch's OpenMP is not GNU's (macOS's
-    libomp, a build without OpenMP), which does not throttle its threads this way."""
-    lib = _libgomp()
-    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    `omp_pause_resource_all`, which frees only the calling thread's team (and refuses inside a parallel
+    region); the thread makes a new team if it runs a parallel torch op again. Returns whether it did:
+    False where torch's OpenMP is not GNU's (LLVM's and Intel's pause the whole runtime; they are left
+    alone) or is not found."""
+    pause = _omp_pause()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
 
 
-def _libgomp():
-    """torch's libgomp, as this process loaded it (/proc/self/maps), or None."""
-    if not _gomp:
+def _omp_pause():
+    """omp_pause_resource_all as torch's CPU library resolves it, where that is GNU OpenMP's, else None."""
+    if not _pause and sys.platform == "linux":
+        import torch
+
+        lib_dir = Path(torch.__file__).parent / "lib"
         try:
             maps = Path("/proc/self/maps").read_text()
-        except OSError:
+            torch_cpu = ctypes.CDLL(str(lib_dir / "libtorch_cpu.so"))  # the loaded library's own handle
+            pause = torch_cpu.omp_pause_resource_all  # found in its dependencies: the OpenMP it calls
+        except (OSError, AttributeError):
             return None
-        paths = sorted({line.split()[-1] for line in maps.splitlines() if "/libgomp" in line.split()[-1]})
-        if len(paths) != 1:  # none loaded yet, or two copies: which one torch calls is unknown
+        if "/libgomp" not in maps or "libiomp" in maps or "/libomp" in maps:
             return None
-        lib = ctypes.CDLL(paths[0])  # the loaded library itself: dlopen of its path returns its handle
-        if not hasattr(lib, "omp_pause_resource_all"):  # before GCC 9
-            return None
-        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-        _gomp.append(lib)
-    return _gomp[0]
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        _pause.append(pause)
+    return _pause[0] if _pause else None

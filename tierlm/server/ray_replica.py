@@ -29,14 +29,17 @@ class TierlmReplica:
 
         from tierlm.model import load
         from tierlm.server.app import build_app
-        from tierlm.server.compute import ComputeThread
+        from tierlm.server.compute import release_openmp_team
+
+        def load_here():  # the loading thread's OpenMP team is freed: the worker's decodes alone
+            model = load(**spec.load_kwargs)
+            release_openmp_team()
+            return model
 
         torch.set_num_threads(spec.threads)
         self.name = serve.get_replica_context().replica_id.unique_id
-        # loaded on the thread its worker runs on (tierlm.server.compute); the event loop stays responsive
-        compute = ComputeThread()
-        model = await asyncio.wrap_future(compute.submit(load, **spec.load_kwargs))
-        self.app = build_app(model, compute=compute, **spec.app_kwargs)
+        model = await asyncio.to_thread(load_here)  # the replica's event loop stays responsive
+        self.app = build_app(model, **spec.app_kwargs)
         self.scheduler = self.app.state.tierlm.scheduler
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the worker thread, as uvicorn would
