@@ -67,6 +67,9 @@ def test_tierlm_serve_decodes_on_one_thread_and_frees_the_loading_threads_team(
         parallel_op()  # this thread has a team (the tiny model's load may not have needed one)
         before = tasks()
         app = build_app(model, **kwargs)
+        wait_until(
+            lambda: len(before - tasks()) >= torch.get_num_threads() - 1 or not _gnu_openmp(), "no team freed"
+        )
         served["freed"] = before - tasks()
         with TestClient(app) as client:
             body = {"model": NAME, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
@@ -82,7 +85,7 @@ def test_tierlm_serve_decodes_on_one_thread_and_frees_the_loading_threads_team(
     assert served["scheduler"].batching == batching
     if not _gnu_openmp():
         pytest.skip("torch's OpenMP is not GNU OpenMP here: no team is freed")
-    assert len(served["freed"]) == torch.get_num_threads() - 1  # the main thread's team
+    assert len(served["freed"]) >= torch.get_num_threads() - 1  # the main thread's team
     workers = set(served["threads"])
     assert len(served["threads"]) >= 5 and len(workers) == 1  # the prefill and 4 steps, on one thread
     assert workers != {threading.get_ident()}
@@ -116,6 +119,8 @@ def test_a_compute_thread_runs_jobs_in_order_and_hands_back_errors():
     native = compute.call(threading.get_native_id)
     compute.close()
     wait_until(lambda: native not in tasks(), "the closed thread did not end")
+    with pytest.raises(RuntimeError, match="closed"):
+        compute.submit(print)
 
 
 def test_build_app_frees_the_openmp_team_of_the_thread_that_calls_it(tiny_dir):
@@ -126,16 +131,15 @@ def test_build_app_frees_the_openmp_team_of_the_thread_that_calls_it(tiny_dir):
         pytest.skip("one torch thread: no OpenMP team")
     compute = ComputeThread(name="tierlm-test")
     model = compute.call(tierlm.load, tiny_dir, dtype="float32")
-    before = tasks()
-    compute.call(parallel_op)
-    team = tasks() - before
-    assert len(team) == threads - 1, (team, threads)  # the calling thread is the team's first
+    compute.call(parallel_op)  # the thread's team exists, whether or not the load made it
     if not _gnu_openmp():
         pytest.skip("torch's OpenMP is not GNU OpenMP here")
+    before = tasks()
     app = compute.call(build_app, model)
-    wait_until(lambda: not team & tasks(), "the team's threads did not end")
+    wait_until(lambda: len(before - tasks()) >= threads - 1, "the team's threads did not end")
+    after = tasks()
     compute.call(parallel_op)
-    assert len(tasks() - before) == threads - 1  # a new team
+    assert len(tasks() - after) == threads - 1  # a new team
     compute.close()
     del app
 

@@ -35,10 +35,13 @@ class ComputeThread:
 
     def __init__(self, name: str = "tierlm-worker") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        if self._closed:  # its thread ends after the jobs before close(): this one would never run
+            raise RuntimeError("this ComputeThread is closed")
         future: Future = Future()
         self._jobs.put((future, fn, args, kwargs))
         return future
@@ -50,7 +53,9 @@ class ComputeThread:
 
     def close(self) -> None:
         """End the thread once the jobs given before are done (its OpenMP team ends with it)."""
-        self._jobs.put(_CLOSE)
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(_CLOSE)
 
     @property
     def ident(self) -> int | None:

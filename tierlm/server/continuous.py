@@ -38,7 +38,11 @@ class ContinuousScheduler(Scheduler):
 
     def start(self) -> None:
         if self._working is None and not self._stopped and self._batch is None:
-            self.compute.call(self.prepare, report=logger.info)
+            try:
+                self.compute.call(self.prepare, report=logger.info)
+            except BaseException:
+                self.compute.close()  # no worker will run: the thread (and its OpenMP team) ends
+                raise
         super().start()
 
     def prepare(self, report=None) -> dict[int, str]:

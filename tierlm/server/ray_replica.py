@@ -29,17 +29,14 @@ class TierlmReplica:
 
         from tierlm.model import load
         from tierlm.server.app import build_app
-        from tierlm.server.compute import release_openmp_team
 
-        def load_here():  # the loading thread's OpenMP team is freed: the worker's decodes alone
-            model = load(**spec.load_kwargs)
-            release_openmp_team()
-            return model
+        def build_here():  # build_app frees this thread's OpenMP team: the worker's decodes alone
+            return build_app(load(**spec.load_kwargs), **spec.app_kwargs)
 
         torch.set_num_threads(spec.threads)
         self.name = serve.get_replica_context().replica_id.unique_id
-        model = await asyncio.to_thread(load_here)  # the replica's event loop stays responsive
-        self.app = build_app(model, **spec.app_kwargs)
+        # loaded, and packaged steps prepared, off the replica's event loop, which stays responsive
+        self.app = await asyncio.to_thread(build_here)
         self.scheduler = self.app.state.tierlm.scheduler
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the worker thread, as uvicorn would
