@@ -40,6 +40,20 @@ def test_generate_json_output_parses():
     assert out["stats"]["new_tokens"] == 8 and out["stats"]["cache"] == "static"
 
 
+def test_ignore_eos_decodes_past_the_end_of_the_answer():
+    """The default model answers in a few tokens and ends with EOS; --ignore-eos (llama.cpp's flag) goes on."""
+    args = ("generate", "--json", "--chat", "--dtype", "float32", "--max-new-tokens", "24")
+    question = "What is the capital of France?"
+    answered, ignored = tierlm(*args, question), tierlm(*args, "--ignore-eos", question)
+    assert answered.returncode == 0 and ignored.returncode == 0, answered.stderr + ignored.stderr
+    answered, ignored = json.loads(answered.stdout), json.loads(ignored.stdout)
+    assert answered["finish_reason"] == "stop" and len(answered["token_ids"]) < 24
+    assert ignored["finish_reason"] == "length" and len(ignored["token_ids"]) == 24
+    assert (
+        ignored["token_ids"][: len(answered["token_ids"])] == answered["token_ids"]
+    )  # EOS sampled, kept going
+
+
 def test_generate_reads_prompt_from_stdin():
     proc = tierlm("generate", "--json", "--max-new-tokens", "4", stdin="The sky is")
     assert proc.returncode == 0, proc.stderr

@@ -26,6 +26,7 @@ from tierlm.generation.sampling import (
     min_p_filter,
     sample_next,
     suppress_tokens,
+    suppress_where,
     top_k_filter,
     top_p_filter,
     warp_logits,
@@ -163,6 +164,22 @@ def test_suppress_eos_matches_min_new_tokens_processor():
     input_ids = torch.zeros(4, 5, dtype=torch.long)  # prompt of 3, 2 new tokens < min_new_tokens=4
     expected = MinNewTokensLengthLogitsProcessor(3, 4, eos)(input_ids, logits.clone())
     torch.testing.assert_close(suppress_tokens(logits, torch.tensor(eos)), expected)
+
+
+def test_suppress_where_is_min_new_tokens_processor_row_by_row():
+    """Rows of a batch end on different tokens (EOS, stop_token_ids, ignore_eos): each row's mask suppresses
+    what transformers' processor suppresses for that row's ids, and a row past its minimum keeps its logits."""
+    logits, ends = random_logits(), [[2, 9], [9], [], [2, 5, 40]]
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    for row, ids in enumerate(ends):
+        banned[row, ids] = True
+    early = torch.tensor([True, True, True, False])[:, None]
+    got = suppress_where(logits, early & banned)
+    for row, ids in enumerate(ends):
+        new_tokens = 2 if early[row] else 4  # min_new_tokens=4 after a prompt of 3
+        input_ids = torch.zeros(1, 3 + new_tokens, dtype=torch.long)
+        expected = MinNewTokensLengthLogitsProcessor(3, 4, ids)(input_ids, logits[row : row + 1].clone())
+        torch.testing.assert_close(got[row : row + 1], expected)
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.7])

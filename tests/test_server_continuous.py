@@ -412,6 +412,12 @@ BAD = [
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),
     (COMPLETIONS, {"prompt": ["a", ""]}, "prompt[1]"),
     (COMPLETIONS, {"prompt": [[5, 6], [7, 99999]]}, "prompt[1]"),
+    (COMPLETIONS, {"min_tokens": -1}, "min_tokens"),
+    (CHAT, {"min_tokens": 3}, "min_tokens"),  # over max_tokens (2)
+    (CHAT, {"ignore_eos": "yes"}, "ignore_eos"),
+    (COMPLETIONS, {"stop_token_ids": [320]}, "stop_token_ids"),  # the vocabulary is 320 tokens
+    (COMPLETIONS, {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    (CHAT, {"stop_token_ids": 5}, "stop_token_ids"),
 ]
 
 

@@ -75,7 +75,6 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(functions=[{"name": "f", "parameters": {}}]), "functions"),
     (CHAT, chat_body(function_call="auto"), "function_call"),
     (CHAT, chat_body(top_logprobs=2), "top_logprobs"),
-    (CHAT, chat_body(min_tokens=3), "min_tokens"),
     (CHAT, chat_body(modalities=["text", "audio"]), "modalities"),
     (CHAT, chat_body(audio={"voice": "alloy", "format": "wav"}), "audio"),
     (CHAT, chat_body(service_tier="priority"), "service_tier"),
@@ -86,13 +85,10 @@ UNHONOURED = [  # (path, body, the param the error names)
     # vLLM's extensions at a value other than vLLM's default (they were accepted and ignored)
     (CHAT, chat_body(include_stop_str_in_output=True), "include_stop_str_in_output"),
     (CHAT, chat_body(skip_special_tokens=False), "skip_special_tokens"),
-    (CHAT, chat_body(stop_token_ids=[5]), "stop_token_ids"),
     (CHAT, chat_body(structured_outputs={"json": {}}), "structured_outputs"),
     (CHAT, chat_body(echo=True), "echo"),
     (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # beside the generation prompt
-    (COMPLETIONS, completion_body(ignore_eos=True), "ignore_eos"),
     (COMPLETIONS, completion_body(prompt_logprobs=1), "prompt_logprobs"),
-    (COMPLETIONS, completion_body(min_tokens=1), "min_tokens"),
 ]
 
 

@@ -49,6 +49,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="EOS does not end the answer: decode --max-new-tokens"
+    )
     p.add_argument("--cache", choices=("static", "dynamic"), default="static")
     p.add_argument("--compile", action="store_true", help="compile the decode step (CompileConfig())")
     p.add_argument(

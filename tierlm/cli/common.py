@@ -109,6 +109,7 @@ def generation_config(args):
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
         cache_implementation=args.cache,
         compile_config=compile_config(args),
         disable_compile=args.no_compile,

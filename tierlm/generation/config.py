@@ -71,6 +71,12 @@ def _normalize_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _normalize_token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in value):
+        raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {_describe(value)}")
+    return tuple(value)
+
+
 def _normalize_bias(value: Any) -> tuple[tuple[int, float], ...]:
     pairs = value.items() if isinstance(value, dict) else value
     valid = "a dict (or pairs) of token id >= 0 -> a finite number in [-100, 100]"
@@ -102,7 +108,7 @@ class GenerationConfig:
     """How generate() decodes: lengths, sampling, stopping, cache and compilation."""
 
     max_new_tokens: int = 128
-    min_new_tokens: int = 0
+    min_new_tokens: int = 0  # no EOS, stop token or stop string ends a row before it (vLLM's min_tokens)
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
@@ -118,6 +124,8 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # more token ids that end a row, as EOS does (vLLM's)
+    ignore_eos: bool = False  # EOS does not end a row: it decodes to max_new_tokens (vLLM's, llama.cpp's)
     # structured output, as OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     response_format: ResponseFormat | dict | None = None
     cache_implementation: str = "static"
@@ -173,6 +181,8 @@ class GenerationConfig:
     def _validate_stopping(self) -> None:
         self._set("eos_token_id", _normalize_eos(self.eos_token_id))
         self._set("stop", _normalize_stop(self.stop))
+        self._set("stop_token_ids", _normalize_token_ids(self.stop_token_ids))
+        _check_bool("ignore_eos", self.ignore_eos)
 
     def _validate_cache_and_compile(self) -> None:
         impl = self.cache_implementation

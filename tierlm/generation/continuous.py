@@ -154,7 +154,9 @@ class SlotBatch:
             self.stats["joined_running_batch"] += 1  # membership changed mid-run
         tok = self.model.tokenizer
         for choice, row in enumerate(rows):
-            self.rows[row] = Row(seq, choice, TextTracker(tok.stream_decoder(), seq.stops))
+            self.rows[row] = Row(
+                seq, choice, TextTracker(tok.stream_decoder(), seq.stops, after=seq.config.min_new_tokens)
+            )
             self.sampler.set_row(row, seq.config, seq.prompt, choice)
             with torch.inference_mode(self.cache.valid.is_inference()):  # a cache a generate() run made
                 self.cache.valid[row] = False
@@ -377,9 +379,11 @@ class SlotBatch:
     def _emit(self, row: int, token: int, logprob, prompt_lp=None) -> Update:
         r = self.rows[row]
         r.tokens += 1
-        r.tracker.push(token)
+        ends = self.sampler.ends_with(row, token)  # EOS or a stop_token_id: no text, as vLLM leaves it out
+        if not ends:
+            r.tracker.push(token)
         reason = None
-        if r.tracker.stopped_at is not None or token in self.eos_ids or self.sampler.complete(row):
+        if r.tracker.stopped_at is not None or ends or self.sampler.complete(row):
             reason = "stop"
         elif r.seq.cancelled:
             reason = "cancelled"

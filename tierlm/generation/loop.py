@@ -14,7 +14,7 @@ from tierlm.generation.sampling import (
     apply_repetition_penalty_rows,
     draw,
     mark_seen,
-    suppress_tokens,
+    suppress_where,
     token_logprobs,
     warp_rows,
 )
@@ -94,6 +94,8 @@ class Sampler:
 
     def __init__(self, rows: int, vocab: int, eos: torch.Tensor, device) -> None:
         self.vocab, self.eos, self.device = vocab, eos, device
+        self.eos_ids = tuple(eos.tolist())
+        self.ends: list[frozenset[int]] = [frozenset(self.eos_ids)] * rows  # the tokens that end each row
 
         def full(value, dtype=torch.float32):
             return torch.full((rows, 1), value, dtype=dtype, device=device)
@@ -106,7 +108,8 @@ class Sampler:
         self.steps, self.min_new = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         self.configs: list[GenerationConfig | None] = [None] * rows
         self.generators: list[torch.Generator | None] = [None] * rows
-        self.seen = self.counts = self.bias = None  # [rows, vocab], made once a row needs them
+        # [rows, vocab], made once a row needs them; `early`: what a row may not sample before min_new_tokens
+        self.seen = self.counts = self.bias = self.early = None
         self.grammar = None  # a grammar.GrammarMask, set before set_row when a row has a response_format
 
     def set_row(self, row: int, config: GenerationConfig, prompt: list[int], choice: int = 0) -> None:
@@ -117,6 +120,8 @@ class Sampler:
         self.repetition[row], self.presence[row] = c.repetition_penalty, c.presence_penalty
         self.frequency[row], self.sampled[row] = c.frequency_penalty, not c.greedy
         self.steps[row], self.min_new[row] = 0, c.min_new_tokens
+        self.ends[row] = frozenset((() if c.ignore_eos else self.eos_ids) + c.stop_token_ids)
+        self._set_early(row, c)
         self.generators[row] = None
         if not c.greedy:  # unseeded rows draw their seed from torch's global RNG, so manual_seed still rules
             seed = row_seed(c.seed, choice) if c.seed is not None else int(torch.randint(2**62, ()).item())
@@ -140,6 +145,20 @@ class Sampler:
         if self.grammar is not None:
             self.grammar.set_row(row, c.response_format)
 
+    def _set_early(self, row: int, c: GenerationConfig) -> None:
+        """Before min_new_tokens a row samples neither EOS (even with ignore_eos) nor its stop_token_ids,
+        as vLLM's min_tokens masks them."""
+        banned = (self.eos_ids + c.stop_token_ids) if c.min_new_tokens else ()
+        if banned and self.early is None:
+            self.early = self._table(torch.bool)
+        if self.early is not None:
+            self.early[row] = False
+            self.early[row, list(banned)] = True
+
+    def ends_with(self, row: int, token: int) -> bool:
+        """Whether `token` ends `row`: an EOS (unless the row ignores EOS) or one of its stop_token_ids."""
+        return token in self.ends[row]
+
     def _table(self, dtype) -> torch.Tensor:
         return torch.zeros(len(self.configs), self.vocab, dtype=dtype, device=self.device)
 
@@ -159,9 +178,9 @@ class Sampler:
             logits = apply_repetition_penalty_rows(logits, pick(self.seen), pick(self.repetition))
         if self.counts is not None:
             logits = apply_penalties(logits, pick(self.counts), pick(self.presence), pick(self.frequency))
-        if self.eos.numel() and any(c.min_new_tokens for c in configs):  # no EOS before min_new_tokens
+        if self.early is not None and any(c.min_new_tokens for c in configs):  # no EOS before min_new_tokens
             early = (self.steps[index.cpu()] < self.min_new[index.cpu()]).to(logits.device)[:, None]
-            logits = torch.where(early, suppress_tokens(logits, self.eos), logits)
+            logits = suppress_where(logits, early & pick(self.early))
         if self.grammar is not None:  # structured output: what a row's grammar forbids gets -inf
             logits = self.grammar.apply(logits, rows)
         tokens = logits.argmax(dim=-1)
@@ -218,7 +237,6 @@ def run_decode(
     step: DecodeStep,
     batch: Batch,
     sampler: Sampler,
-    eos_ids: tuple[int, ...],
     pad_id: int,
     state: LoopState,
     should_stop: Callable[[int], bool] | None = None,
@@ -245,12 +263,11 @@ def run_decode(
     slots = torch.tensor([width], device=device)
     state.prefill_seconds += time.perf_counter() - start  # the chunks add their own time
     start = time.perf_counter()
-    eos_set = set(eos_ids)
     pad = torch.full((b,), pad_id, dtype=torch.long, device=device)
     done, n_done = None, 0  # device mask of finished rows, rebuilt only when a row finishes
     for i in range(max(state.limits)):
         events = [
-            _row_event(state, sampler, row, host[row], logprobs[row], i, eos_set, should_stop)
+            _row_event(state, sampler, row, host[row], logprobs[row], i, should_stop)
             for row in range(b)
             if running[row]
         ]
@@ -286,7 +303,6 @@ def _row_event(
     token: int,
     logprob: TokenLogprob | None,
     i: int,
-    eos_set: set[int],
     should_stop: Callable[[int], bool] | None,
 ) -> StepEvent:
     """Record the row's `i`-th new token, and say whether, and why, the row ends with it."""
@@ -294,8 +310,9 @@ def _row_event(
     if logprob is not None:
         state.logprobs[row].append(logprob)
     reason = None
-    stop_hit = should_stop is not None and should_stop(row)  # sees every token, EOS included
-    if stop_hit or token in eos_set or sampler.complete(row):  # EOS cannot be sampled before min_new_tokens
+    stop_hit = should_stop is not None and should_stop(row)  # sees every token, an ending one included
+    # an ending token (EOS, stop_token_ids) cannot be sampled before min_new_tokens
+    if stop_hit or sampler.ends_with(row, token) or sampler.complete(row):
         reason = "stop"
     elif row in state.cancelled:
         reason = "cancelled"

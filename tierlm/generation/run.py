@@ -65,6 +65,8 @@ class TextTracker:
     text: str = ""
     emitted: int = 0
     stopped_at: int | None = None
+    after: int = 0  # the row's min_new_tokens: stop strings are looked for in the text of later tokens only
+    pushed: int = 0
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +77,9 @@ class TextTracker:
             return
         start = max(0, len(self.text) - self._hold)
         self.text += self.decoder.push(token)
+        self.pushed += 1
+        if self.pushed <= self.after:  # no stop string ends the text of a row's first `after` tokens
+            return
         hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if hits:
             self.stopped_at = min(hits)
@@ -144,7 +149,10 @@ class Generation:
         stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
         if tok is not None:
-            self.trackers = [TextTracker(tok.stream_decoder(), s) for s in stops]
+            self.trackers = [
+                TextTracker(tok.stream_decoder(), s, after=c.min_new_tokens)
+                for s, c in zip(stops, self.row_configs)
+            ]
         elif any(stops):
             raise ValueError("stop strings need a tokenizer; this model has none")
 
@@ -258,15 +266,15 @@ class Generation:
             def should_stop(row: int) -> bool:
                 return self.trackers[row].stopped_at is not None
 
+        sampler = self._sampler()
         loop = run_decode(
             self._prefill(),
             self.step,
             self.batch,
-            self._sampler(),
-            self.eos_ids,
+            sampler,
             self.pad_id,
             self.state,
-            self._tracked(should_stop),
+            self._tracked(should_stop, sampler),
         )
         while True:  # each unit of work (a prefill chunk, a decode step) holds the model's cache
             with self.model.work_lock:
@@ -287,13 +295,16 @@ class Generation:
             sampler.set_row(row, self.row_configs[row], prompt, self.choices[row])
         return sampler
 
-    def _tracked(self, should_stop):
-        """Feed each new token to its row's text tracker before the loop asks whether to stop."""
+    def _tracked(self, should_stop, sampler: Sampler):
+        """Feed each new token to its row's text tracker before the loop asks whether to stop; a token that
+        ends the row (EOS, stop_token_ids) adds no text, as vLLM leaves it out."""
         if self.trackers is None:
             return should_stop
 
         def check(row: int) -> bool:
-            self.trackers[row].push(self.state.tokens[row][-1])
+            token = self.state.tokens[row][-1]
+            if not sampler.ends_with(row, token):
+                self.trackers[row].push(token)
             return should_stop(row) if should_stop else False
 
         return check
@@ -473,9 +484,11 @@ def _check_vocab_settings(configs, vocab: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(c, name) or 0) > vocab:
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
-        bad = next((i for i, _ in c.logit_bias if not 0 <= i < vocab), None) if c.logit_bias else None
-        if bad is not None:
-            raise ValueError(f"logit_bias names token id {bad}; this model's ids are in [0, {vocab})")
+        named = {"logit_bias": [i for i, _ in c.logit_bias], "stop_token_ids": c.stop_token_ids}
+        for name, ids in named.items():
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} names token id {bad}; this model's ids are in [0, {vocab})")
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -33,6 +33,12 @@ def suppress_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return logits.float().index_fill(-1, token_ids, _NEG_INF)
 
 
+def suppress_where(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Set the scores that `banned` (bool, broadcast to logits) marks to -inf: a row's own tokens, e.g. its EOS
+    and stop_token_ids before its min_new_tokens."""
+    return logits.float().masked_fill(banned, _NEG_INF)
+
+
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide by temperature (> 0); temperature 0 is greedy decoding, handled by sample_next."""
     logits = logits.float()

@@ -276,7 +276,6 @@ def _config(
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     settings = dict(
         max_new_tokens=max_tokens,
-        min_new_tokens=0,
         do_sample=temperature > 0,
         temperature=temperature,
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -292,6 +291,7 @@ def _config(
         prompt_logprobs=prompt_logprobs,
         response_format=body.parsed_response_format,
         stop=(),
+        **_ending(state, body, max_tokens),
     )
     base = state.scheduler.base_config
     try:
@@ -302,6 +302,20 @@ def _config(
         message = "response_format needs a model with an end-of-sequence token, and this one names none"
         raise APIError(400, message, "response_format")
     return config
+
+
+def _ending(state: ServerState, body: _Common, max_tokens: int) -> dict:
+    """vLLM's min_tokens, ignore_eos and stop_token_ids as generation settings, checked against max_tokens
+    and the vocabulary."""
+    min_tokens, vocab = body.min_tokens or 0, state.model.config.vocab_size
+    if min_tokens > max_tokens:
+        message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
+        raise APIError(400, message, "min_tokens")
+    ids = tuple(body.stop_token_ids or ())
+    bad = next((i for i in ids if i >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab}), got {bad}", "stop_token_ids")
+    return dict(min_new_tokens=min_tokens, ignore_eos=bool(body.ignore_eos), stop_token_ids=ids)
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:

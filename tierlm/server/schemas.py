@@ -17,17 +17,15 @@ NO_TOOLS = "is not supported: this server does not call tools"
 MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (chat) up to this
 MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
-# defaults, null aside): any other would change the output, so it is refused. top_k, min_p and
-# repetition_penalty are fields below; add_generation_prompt and continue_final_message are chat's fields.
+# defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
+# repetition_penalty, min_tokens, ignore_eos and stop_token_ids are fields below; add_generation_prompt and
+# continue_final_message are chat's fields.
 EXTENSIONS: dict[str, tuple] = {
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "stop_token_ids": ([],),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "prompt_logprobs": (),
@@ -104,6 +102,9 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k filter
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
+    min_tokens: int | None = Field(None, ge=0)  # no EOS, stop token or stop string ends a choice before these
+    ignore_eos: bool | None = None  # EOS does not end a choice
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # token ids that end a choice, as EOS
     # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it)
     response_format: dict[str, Any] | None = None
 

@@ -1,0 +1,143 @@
+"""What ends a choice, as vLLM's extensions say it: `min_tokens`, `ignore_eos` and `stop_token_ids`, over HTTP on
+both batching modes, with the library's generate() (the same settings as GenerationConfig fields) as reference.
+
+The served tiny model's EOS logit is 0, so a greedy run never ends by itself: a logit_bias of +100 on EOS (or on
+another token) makes the model want it at every step, which is what these settings must hold back or ignore."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from test_server import NAME, serve, write_served_model
+
+import tierlm
+from tierlm.generation.config import GenerationConfig
+from tierlm.tokenizer.pieces import piece_text
+
+COMPLETIONS = "/v1/completions"
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tierlm.load(write_served_model(tmp_path_factory.mktemp("ending") / "tiny"), dtype="float32")
+
+
+@pytest.fixture(scope="module", params=["continuous", "static"])
+def http(request, model):
+    with serve(model, max_batch_size=4, batching=request.param) as live:
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as client:
+            yield client
+
+
+def complete(http, **fields) -> dict:
+    """The one choice of a greedy completion, with its token strings and completion_tokens."""
+    body = {"model": NAME, "prompt": PROMPT, "temperature": 0, "logprobs": 0, **fields}
+    response = http.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    choice = reply["choices"][0]
+    return {**choice, "tokens": choice["logprobs"]["tokens"], "count": reply["usage"]["completion_tokens"]}
+
+
+def streamed_text(http, **fields) -> str:
+    body = {"model": NAME, "prompt": PROMPT, "temperature": 0, "stream": True, **fields}
+    parts = []
+    with http.stream("POST", COMPLETIONS, json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(parts)
+
+
+def library(model, **settings):
+    """(token ids, text, finish reason) of the library's greedy run with the same settings."""
+    r = model.generate(PROMPT, GenerationConfig(**settings))
+    return r.token_ids[0], r.texts[0], r.finish_reasons[0]
+
+
+def eos(model) -> int:
+    return model.tokenizer.eos_token_ids[0]
+
+
+def piece(model, token: int) -> str:
+    """A token's text as the server's logprobs name it."""
+    return piece_text(model.tokenizer.token_bytes(token))
+
+
+def test_ignore_eos_decodes_past_an_eos_the_model_wants_to_max_tokens(http, model):
+    bias = {str(eos(model)): 100}
+    ended = complete(http, max_tokens=5, logit_bias=bias)
+    assert (ended["count"], ended["finish_reason"], ended["text"]) == (1, "stop", "")
+    ignored = complete(http, max_tokens=5, logit_bias=bias, ignore_eos=True)
+    assert (ignored["count"], ignored["finish_reason"]) == (5, "length")
+    assert ignored["tokens"] == [piece(model, eos(model))] * 5  # EOS sampled five times, no text
+    assert ignored["text"] == ""
+    ids, text, reason = library(model, max_new_tokens=5, logit_bias={eos(model): 100}, ignore_eos=True)
+    assert (ids, text, reason) == ([eos(model)] * 5, "", "length")
+
+
+def test_min_tokens_holds_eos_back_for_that_many_tokens(http, model):
+    bias = {str(eos(model)): 100}
+    got = complete(http, max_tokens=8, min_tokens=3, logit_bias=bias)
+    assert (got["count"], got["finish_reason"]) == (4, "stop")
+    ids, text, reason = library(model, max_new_tokens=8, min_new_tokens=3, logit_bias={eos(model): 100})
+    assert eos(model) not in ids[:3] and ids[3] == eos(model) and len(ids) == 4
+    assert (got["text"], got["tokens"]) == (text, [piece(model, t) for t in ids])
+    assert streamed_text(http, max_tokens=8, min_tokens=3, logit_bias=bias) == text
+
+
+def test_a_stop_token_id_ends_the_choice_and_adds_no_text(http, model):
+    plain, _, _ = library(model, max_new_tokens=8)
+    stop = plain[3]
+    k = plain.index(stop)  # the first time the greedy run samples it
+    got = complete(http, max_tokens=8, stop_token_ids=[stop])
+    assert (got["count"], got["finish_reason"]) == (k + 1, "stop")
+    assert got["tokens"] == [piece(model, t) for t in plain[: k + 1]]
+    assert got["text"] == model.tokenizer.decode(plain[:k]) != model.tokenizer.decode(plain[: k + 1])
+    assert library(model, max_new_tokens=8, stop_token_ids=(stop,))[1:] == (got["text"], "stop")
+
+
+def test_min_tokens_holds_stop_token_ids_back_too(http, model):
+    """A forced stop token is masked for min_tokens tokens, then it ends the choice (vLLM masks every token
+    that ends a sequence, EOS included, before min_tokens)."""
+    forced = 100
+    assert forced != eos(model)
+    got = complete(http, max_tokens=8, min_tokens=2, logit_bias={str(forced): 100}, stop_token_ids=[forced])
+    assert (got["count"], got["finish_reason"]) == (3, "stop")
+    ids, text, _ = library(
+        model, max_new_tokens=8, min_new_tokens=2, logit_bias={forced: 100}, stop_token_ids=(forced,)
+    )
+    assert forced not in ids[:2] and ids[2] == forced
+    assert got["text"] == text == model.tokenizer.decode(ids[:2])
+
+
+def test_min_tokens_defers_stop_strings_as_vllm_does(http, model):
+    """Stop strings are looked for only in the text of tokens after the first min_tokens (as vLLM's
+    detokenizer does): a token that writes "a" every step stops at once without min_tokens, and after four
+    tokens with min_tokens=3."""
+    forced = model.tokenizer.encode("a", add_special_tokens=False)
+    assert len(forced) == 1 and model.tokenizer.decode(forced) == "a"
+    bias = {str(forced[0]): 100}
+    at_once = complete(http, max_tokens=8, logit_bias=bias, stop="a")
+    assert (at_once["count"], at_once["text"], at_once["finish_reason"]) == (1, "", "stop")
+    later = complete(http, max_tokens=8, logit_bias=bias, stop="a", min_tokens=3)
+    assert (later["count"], later["text"], later["finish_reason"]) == (4, "aaa", "stop")
+    assert streamed_text(http, max_tokens=8, logit_bias=bias, stop="a", min_tokens=3) == "aaa"
+    _, text, reason = library(
+        model, max_new_tokens=8, min_new_tokens=3, logit_bias={forced[0]: 100}, stop=("a",)
+    )
+    assert (text, reason) == ("aaa", "stop")
+
+
+def test_the_settings_are_validated_as_generation_config_fields(model):
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids >= 0"):
+        GenerationConfig(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        GenerationConfig(ignore_eos=1)
+    with pytest.raises(
+        ValueError, match=r"stop_token_ids names token id 320; this model's ids are in \[0, 320\)"
+    ):
+        model.generate(PROMPT, max_new_tokens=2, stop_token_ids=(320,))
