@@ -378,3 +378,33 @@ def test_a_library_cut_short_on_disk_is_built_again(ops, tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
     assert "building the int4/int8 CPU kernels" in proc.stderr
     assert kernels._intact(library) and library.stat().st_size > size // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_column_is_every_scratch_views_keep_in_one_call(ops, dtype):
+    """After an eager continuous step, each row's scratch column goes to its own slot: the op gives the bits
+    of ScratchLayerView.keep's indexing, for rows of the big cache (strided views) and a row whose own slot
+    is the scratch column, and touches nothing else."""
+    from tierlm.generation.slots import ScratchLayerView
+
+    g = torch.Generator().manual_seed(0)
+    big = [torch.randn(6, 3, 40, 8, generator=g).to(dtype) for _ in range(4)]  # 4 stores of 6 rows
+    stores = [t[:4] for t in big]  # a SlotCache's 4 rows of them
+    where = torch.tensor([[3], [39], [0], [17]])  # row 1's own slot is the scratch column (39)
+    before, expected = big[0].clone(), [t.clone() for t in big]
+    for keys, values in zip(expected[:2], expected[2:]):
+        ScratchLayerView(keys[:4], values[:4], where).keep(39)
+    ops.copy_column(stores, where, 39)
+    for got, want in zip(big, expected):
+        assert torch.equal(got, want)
+    assert not torch.equal(big[0], before) and torch.equal(big[0][4:], before[4:])  # rows 4-5 untouched
+
+
+def test_copy_column_bad_slots_are_one_clear_error(ops):
+    stores = [torch.zeros(2, 1, 8, 4)]
+    with pytest.raises(RuntimeError, match="row slot out of range"):
+        ops.copy_column(stores, torch.tensor([[1], [8]]), 7)
+    with pytest.raises(RuntimeError, match="scratch column out of range"):
+        ops.copy_column(stores, torch.tensor([[1], [2]]), 8)
+    with pytest.raises(RuntimeError, match=r"stores must be \[rows, heads, slots, dim\]"):
+        ops.copy_column(stores, torch.tensor([[1]]), 7)

@@ -994,6 +994,29 @@ void rms_rows(const X* x, const W* w, int64_t rows, int64_t dim, float eps, bool
   });
 }
 
+// After an eager continuous-batching step, which wrote every row's new key and value at one scratch column:
+// copy that column of each store [rows, heads, slots, dim] (a layer's keys or values) to each row's own slot,
+// where[r]. One call for every layer instead of two indexing ops a layer (0.3 ms a step at one row).
+void copy_column(at::TensorList stores, const at::Tensor& where, int64_t scratch) {
+  TORCH_CHECK(where.scalar_type() == at::kLong && where.is_contiguous(), "where must be contiguous int64");
+  const int64_t rows = where.numel();
+  const int64_t* w = where.data_ptr<int64_t>();
+  for (const at::Tensor& s : stores) {
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == rows && s.stride(3) == 1, "stores must be [rows, heads, slots, dim]");
+    TORCH_CHECK(scratch >= 0 && scratch < s.size(2), "scratch column out of range");
+    const int64_t slots = s.size(2), size = s.element_size(), bytes = s.size(3) * size;
+    char* base = static_cast<char*>(s.data_ptr());
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(w[r] >= 0 && w[r] < slots, "row slot out of range");
+      if (w[r] == scratch) continue;
+      for (int64_t h = 0; h < s.size(1); ++h) {
+        char* row = base + (r * s.stride(0) + h * s.stride(1)) * size;
+        std::memcpy(row + w[r] * s.stride(2) * size, row + scratch * s.stride(2) * size, bytes);
+      }
+    }
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu() && x.size(-1) > 0,
               "rms_norm: x must be a contiguous CPU tensor");
@@ -1079,6 +1102,7 @@ TORCH_LIBRARY(tierlm_avx2, lib) {
       "decode_rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, "
       "Tensor(b!) values, Tensor slots, Tensor mask, float scale) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
+  lib.def("copy_column(Tensor(a!)[] stores, Tensor where, int scratch) -> ()");
 #if defined(__AVX512BF16__)
   lib.def("bf16_mv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 #endif
@@ -1090,6 +1114,7 @@ TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
   lib.impl("decode_attention", &decode_attention);
   lib.impl("decode_rope_attention", &decode_rope_attention);
   lib.impl("rms_norm", &rms_norm);
+  lib.impl("copy_column", &copy_column);
 #if defined(__AVX512BF16__)
   lib.impl("bf16_mv", &bf16_mv);
 #endif
