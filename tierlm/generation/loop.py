@@ -93,7 +93,7 @@ class Sampler:
     a batch with. Settings are [rows, 1] tensors; filters no row uses are skipped."""
 
     def __init__(self, rows: int, vocab: int, eos: torch.Tensor, device) -> None:
-        self.vocab, self.eos, self.device = vocab, eos, device
+        self.vocab, self.device = vocab, device
         self.eos_ids = tuple(eos.tolist())
         self.ends: list[frozenset[int]] = [frozenset(self.eos_ids)] * rows  # the tokens that end each row
 

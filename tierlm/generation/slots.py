@@ -107,9 +107,7 @@ class SlotCache:
     def commit(self, active: torch.Tensor, scratch: int) -> None:
         """After a step at slot `scratch` (its scratch column): the slots the `active` rows [rows] bool just
         wrote hold valid keys from now on (an eager step's are copied there from the scratch column first)."""
-        if (
-            self._copy_column is not None
-        ):  # every layer's keys and values in one call (ScratchLayerView.keep's)
+        if self._copy_column is not None:  # every layer's ScratchLayerView.keep in one call
             self._copy_column([*self.keys, *self.values], self.row_slots, scratch)
         else:
             for view in self.views:
@@ -153,8 +151,9 @@ class ScratchLayerView(StaticLayerView):
     step writes at its slot (a StaticLayerView's `decode_slots`, `attended` and `update`, so the step may
     attend through `layers.rope_attention`, which writes there itself), and `keep` copies the column to
     each row's own slot after the step (where tierlm's CPU kernels run, `SlotCache.commit` does every
-    layer's copy in one call of their `copy_column` instead). On the default model (int4, 1 row, Zen 5) an eager continuous
-    step took 8.8 ms through aten's rotary and the module tree, against 6.0 ms for a static cache's."""
+    layer's copy in one call of their `copy_column` instead). On the default model (int4, 1 row, Zen 5) an
+    eager continuous step took 8.8 ms through aten's rotary and the module tree, against 6.0 ms for a
+    static cache's."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_slots: torch.Tensor) -> None:
         super().__init__(keys, values)
