@@ -288,3 +288,94 @@ def test_a_tokenizer_cached_by_an_older_tierlm_is_rebuilt(default_model_path):
     del meta["format"]  # what an older tierlm wrote
     meta_file.write_text(json.dumps(meta))
     assert gguf_cache.open_cached_tokenizer(default_model_path) is None
+
+
+def run_continuous(model, joins, new: int, rows: int = 4, chunk: int | None = 256):
+    """Greedy (token, log probability) pairs per (key, choice) from an eager continuous batch (SlotBatch) that the sequences of
+    `joins` enter in groups: a group joins once the batch has no prefill waiting, so groups prefill together
+    (left-padded into a scratch cache) and decode beside rows already past the window."""
+    from tierlm.generation.config import GenerationConfig
+    from tierlm.generation.continuous import Sequence, SlotBatch
+
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, prefill_chunk=chunk, logprobs=0)
+    batch = SlotBatch(model, rows, config)
+    tokens: dict[tuple, list[tuple[int, float]]] = {}
+    pending = list(joins)
+    while pending or batch.busy:
+        if pending and not batch.waiting:
+            for key, prompt, n in pending.pop(0):
+                batch.join(Sequence(key, prompt, config.replace(n=n)))
+        for u in batch.advance():
+            if u.token is not None:
+                tokens.setdefault((u.key, u.choice), []).append((u.token, u.logprob.logprob))
+    assert not batch.decision.compile and not batch.cache.rings  # sliding layers as long as the full ones
+    return tokens, batch.stats
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny checkpoints with the served tokenizer (a 320-token BPE): what a continuous batch needs."""
+    from test_server import write_tokenizer
+
+    root = tmp_path_factory.mktemp("gemma3-served")
+    out = {}
+    for name in CONFIGS:
+        write_tokenizer(write_gemma3(root / name, name))
+        out[name] = tierlm.load(root / name, dtype="float32")
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("chunk", [256, 3])
+def test_continuous_rows_get_their_solo_tokens_across_the_window(served, name, chunk):
+    """Continuous batching of a sliding-window model: rows at positions of their own keep every layer's keys
+    (no ring) and cut a sliding layer's window by each row's own position. Each row's greedy tokens equal its
+    solo run's (ring caches) and their log probabilities within fp32 rounding, for prompts shorter and longer than the window, prefilled alone, together,
+    or in chunks, an n=2 request, rows joining mid-run, and 3x the window of new tokens."""
+    model = served[name]
+    w = model.config.sliding_window
+    lengths = [2 * w + 3, 2, w, w + 1, 3 * w]
+    prompts = [r[m.bool()].tolist() for r, m in zip(*_prompts(lengths, seed=5))]
+    joins = [[(0, prompts[0], 1)], [(1, prompts[1], 2), (2, prompts[2], 1)], [(3, prompts[3], 1)]]
+    joins += [[(4, prompts[4], 1)]]
+    new = 3 * w
+    got, stats = run_continuous(model, joins, new, rows=6, chunk=chunk)
+    for key, prompt in enumerate(prompts):
+        solo = model.generate(
+            [prompt], max_new_tokens=new, min_new_tokens=new, prefill_chunk=chunk, logprobs=0
+        )
+        for choice in range(2 if key == 1 else 1):
+            tokens, logprobs = zip(*got[(key, choice)])
+            assert list(tokens) == solo.token_ids[0], (key, choice)
+            # the same keys summed in another order (column order, not the ring's): fp32 rounding only
+            assert logprobs == pytest.approx([t.logprob for t in solo.logprobs[0]], abs=1e-5)
+    assert stats["joined_running_batch"] >= 2 and stats["decode_steps"] > new
+    if chunk == 256:
+        assert stats["prefills_together"] >= 2
+
+
+def test_a_sliding_window_model_is_served_with_continuous_batching(served):
+    """`tierlm serve` batches a Gemma 3 model continuously (it served it statically before): concurrent greedy
+    requests each get their solo run's text; with compiled steps it is still served statically."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import NAME, serve
+
+    model = served["untied"]
+    w = model.config.sliding_window
+    prompts = [r[m.bool()].tolist() for r, m in zip(*_prompts([3 * w, 2, w + 1], seed=9))]
+    solo = [model.generate([p], max_new_tokens=3 * w, min_new_tokens=3 * w).texts[0] for p in prompts]
+    with serve(model, max_batch_size=4) as live:
+        body = {"model": NAME, "max_tokens": 3 * w, "min_tokens": 3 * w, "temperature": 0}
+
+        def complete(prompt):
+            with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as c:
+                return c.post("/v1/completions", json={**body, "prompt": prompt}).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(complete, prompts)) == solo
+        assert live.stats()["batching"] == "continuous"
+    config = tierlm.GenerationConfig(compile_config=CompileConfig())
+    with serve(model, max_batch_size=4, generation_config=config) as live:
+        assert live.stats()["batching"] == "static"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tierlm.config import ModelConfig
+from tierlm.models.masks import attention_mask_4d
 
 CACHE_BUCKET = 256  # static caches round up to a power of two >= this, so short runs share one graph
 
@@ -35,14 +36,18 @@ def mark_static(*tensors: torch.Tensor) -> None:
 
 class StaticCache:
     """Preallocated K/V of shape [batch, kv_heads, max_len, head_dim] per layer; a sliding layer's is a
-    ring buffer of min(window, max_len) slots (`RingLayerView`)."""
+    ring buffer of min(window, max_len) slots (`RingLayerView`), or with rings=False as long as the others,
+    its window a mask (`sliding_mask`): what rows at positions of their own need (continuous batching)."""
 
     is_compileable = True
     kind = "static"
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device, rings: bool = True
+    ) -> None:
         self.batch, self.max_len = batch, max_len
-        ring = min(cfg.sliding_window or max_len, max_len)
+        self.rings = rings and bool(cfg.sliding_layers)  # False: no ring anywhere
+        ring = min(cfg.sliding_window, max_len) if self.rings else max_len
         self.ring = ring
 
         def zeros(i: int) -> torch.Tensor:
@@ -57,7 +62,7 @@ class StaticCache:
         self.ring_valid = torch.zeros(batch, ring, dtype=torch.bool, device=device)
         mark_static(*self.keys, *self.values, self.valid, self.ring_cols, self.ring_valid)
         self.views = [
-            RingLayerView(k, v) if cfg.is_sliding(i) else StaticLayerView(k, v)
+            RingLayerView(k, v) if self.rings and cfg.is_sliding(i) else StaticLayerView(k, v)
             for i, (k, v) in enumerate(zip(self.keys, self.values))
         ]
 
@@ -71,6 +76,12 @@ class StaticCache:
     ) -> torch.Tensor:
         self.valid.index_copy_(1, slots, new_valid)
         return self.valid[:, :length]
+
+    def sliding_mask(self, key_valid: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor | None:
+        """A sliding layer's mask where its keys are as long as a full layer's (rings=False): the window cut
+        by columns, which are positions up to each row's left padding. None: the layer is a ring
+        (`sliding_keys`)."""
+        return None if self.rings else attention_mask_4d(key_valid, slots, window=window)
 
     def sliding_keys(self, slots: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The columns [L] and validity [b, L] of the keys a sliding layer attends to in this call (what

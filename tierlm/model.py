@@ -112,12 +112,14 @@ class Model:
         with torch.inference_mode():
             return Generation(self, prompts, config, **rows)
 
-    def static_cache(self, batch: int, length: int) -> StaticCache:
-        """A static cache for (batch, length), reused across calls so compiled steps are reused too."""
-        key = (batch, length, self.dtype)
+    def static_cache(self, batch: int, length: int, rings: bool = True) -> StaticCache:
+        """A static cache for (batch, length), reused across calls so compiled steps are reused too
+        (`rings`: StaticCache's; False for rows at positions of their own)."""
+        rings = rings and bool(self.config.sliding_layers)  # one cache whatever it says, where none is a ring
+        key = (batch, length, self.dtype, rings)
         cache = self._static_caches.pop(key, None)
         if cache is None:
-            cache = StaticCache(self.config, batch, length, self.dtype, self.device)
+            cache = StaticCache(self.config, batch, length, self.dtype, self.device, rings)
             while len(self._static_caches) >= MAX_STATIC_CACHES:  # least recently used goes, with its graphs
                 old_key = next(iter(self._static_caches))
                 del self._static_caches[old_key]

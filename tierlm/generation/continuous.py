@@ -77,6 +77,15 @@ class Update:
     tokens: int = 0  # the sample's tokens so far
 
 
+def compiles(model, config: GenerationConfig) -> bool:
+    """Whether a SlotBatch of `model` with `config` decodes through compiled steps (decide()'s answer for the
+    static cache it builds, which it gives the SlotCache later too)."""
+    uncompilable = model.uncompilable_reasons()
+    return decide(
+        model.device_map, "static", config, uncompilable=uncompilable, device=str(model.device)
+    ).compile
+
+
 class SlotBatch:
     """`slots` rows of a static cache that grows (by powers of two) to fit the longest sequence."""
 
@@ -106,12 +115,7 @@ class SlotBatch:
     # --- membership ------------------------------------------------------------------------------
 
     def _compiles(self) -> bool:
-        kind = "static"  # the cache it will build; decide() answers the same for the SlotCache later
-        model = self.model
-        device = str(model.device)
-        return decide(
-            model.device_map, kind, self.config, uncompilable=model.uncompilable_reasons(), device=device
-        ).compile
+        return compiles(self.model, self.config)
 
     @property
     def packaged(self) -> bool:
@@ -191,7 +195,7 @@ class SlotBatch:
         length = needed + 1 if exact else bucket_length(needed + 1, limit)
         if self.cache is not None and self.decision.compile and self.packaged:
             log.info(GROWS, needed, length)
-        cache = self.model.static_cache(self.slots, length)
+        cache = self.model.static_cache(self.slots, length, rings=False)  # each row at its own position
         self.model.decoder.ensure_rope(length, self.device)
         if self.cache is not None:  # rows in flight keep what they wrote
             old = self.cache
@@ -274,7 +278,9 @@ class SlotBatch:
         batch = left_pad([s.prompt for s in seqs], 0, self.device)
         width = batch.ids.shape[1]
         cfg, dtype = self.model.config, self.cache.keys[0].dtype
-        scratch = StaticCache(cfg, len(seqs), width, dtype, self.device)
+        scratch = StaticCache(
+            cfg, len(seqs), width, dtype, self.device, rings=False
+        )  # moved column by column
         positions = (batch.mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = self.model.decoder(
             batch.ids,

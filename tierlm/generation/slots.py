@@ -6,6 +6,7 @@ import torch
 
 from tierlm import kernels
 from tierlm.cache import StaticCache, StaticLayerView, mark_static
+from tierlm.models.masks import attention_mask_4d
 
 
 class RowsView:
@@ -28,6 +29,9 @@ class RowsView:
     ) -> torch.Tensor:
         self.valid.index_copy_(1, slots, new_valid)
         return self.valid[:, :length]
+
+    def sliding_mask(self, key_valid: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor | None:
+        return self.cache.sliding_mask(key_valid, slots, window)  # its rows' columns are their positions
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None
@@ -68,6 +72,8 @@ class SlotCache:
     is_compileable = True
 
     def __init__(self, cache: StaticCache, rows: int, eager: bool = False) -> None:
+        if cache.rings:
+            raise ValueError("rows at positions of their own need sliding layers without rings (rings=False)")
         row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
         mark_static(row_slots)
         keys, values = [k[:rows] for k in cache.keys], [v[:rows] for v in cache.values]
@@ -98,6 +104,12 @@ class SlotCache:
         self, slots: torch.Tensor, new_valid: torch.Tensor, length: int | None = None
     ) -> torch.Tensor:
         return self.valid[:, :length]  # this step's tokens are seen at the scratch column
+
+    def sliding_mask(self, key_valid: torch.Tensor, slots: torch.Tensor, window: int) -> torch.Tensor:
+        """A sliding layer's mask at a decode step: each row sees its valid keys in the window before its own
+        position (row_slots), and this step's key at the scratch column, as HF's window counts them."""
+        cols = torch.arange(key_valid.shape[1], device=key_valid.device)
+        return attention_mask_4d(key_valid & (cols > self.row_slots - window), slots)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, length: int | None = None

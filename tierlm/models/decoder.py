@@ -10,6 +10,7 @@ from tierlm.config import ModelConfig, RopeScaling
 from tierlm.models.gemma3 import Gemma3DecoderLayer
 from tierlm.models.layers import DecoderLayer, GemmaRMSNorm, RMSNorm, kernel_heads
 from tierlm.models.linear import VECTOR_COMPILED, VECTOR_EAGER, VECTOR_KERNEL, Linear, fuse_projections
+from tierlm.models.masks import attention_mask_4d
 from tierlm.models.rotary import rope_tables
 
 ROPE_CHUNK = 4096  # rotary tables grow in steps of this many positions
@@ -218,11 +219,15 @@ class Decoder(nn.Module):
         rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         if not any(self.sliding):
             return (mask, mask), (rope, rope)
-        if cache is not None:  # the keys a sliding layer sees: their columns and validity
-            key_cols, window_valid = cache.sliding_keys(slots, attention_mask)
-        else:
-            key_cols, window_valid = slots, attention_mask
-        local = attention_mask_4d(window_valid, slots, key_cols, self.config.sliding_window)
+        window = self.config.sliding_window
+        by_mask = getattr(cache, "sliding_mask", None)  # sliding layers as long as the full ones
+        local = by_mask(key_valid, slots, window) if by_mask is not None else None
+        if local is None:
+            if cache is not None:  # the keys a sliding layer sees in its ring: their columns and validity
+                key_cols, window_valid = cache.sliding_keys(slots, attention_mask)
+            else:
+                key_cols, window_valid = slots, attention_mask
+            local = attention_mask_4d(window_valid, slots, key_cols, window)
         local_rope = (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))
         return (mask, local), (rope, local_rope)
 
@@ -230,27 +235,6 @@ class Decoder(nn.Module):
 def run_layer(layer: nn.Module, x, cos, sin, mask, cache_view, slots) -> torch.Tensor:
     """One decoder layer as a plain function of its inputs, so a single compiled body serves all layers."""
     return layer(x, (cos, sin), mask, cache_view, slots)
-
-
-def attention_mask_4d(
-    key_valid: torch.Tensor,
-    slots: torch.Tensor,
-    key_slots: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Bool mask [b, 1, s, L]: a query at slot q sees valid keys at slots <= q, and always itself.
-
-    key_slots [L]: the slot (column) each key holds, when it is not its index (a sliding ring buffer).
-    window: a query sees only keys at slots > q - window (Gemma's sliding layers, as HF counts them).
-    Letting padded queries see themselves keeps their rows finite (no all -inf softmax, no NaN).
-    """
-    if key_slots is None:
-        key_slots = torch.arange(key_valid.shape[1], device=key_valid.device)
-    causal = key_slots[None, :] <= slots[:, None]  # [s, L]
-    if window is not None:
-        causal = causal & (key_slots[None, :] > slots[:, None] - window)
-    own = key_slots[None, :] == slots[:, None]
-    return ((key_valid[:, None, :] & causal[None]) | own[None]).unsqueeze(1)
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.continuous import compiles
 from tierlm.server.batcher import Scheduler
 from tierlm.server.compute import release_openmp_team
 from tierlm.server.continuous import ContinuousScheduler
@@ -91,13 +92,19 @@ def _check_servable(model: Model, max_body_bytes: int, default_max_tokens: int) 
 
 
 def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kwargs) -> Scheduler:
-    """The worker for `batching` ("continuous" or "static"; a sliding-window model is served statically), its
-    packaged steps loaded or built now when it compiles them. `kwargs`: max_batch_size, max_queue, base_config."""
+    """The worker for `batching` ("continuous" or "static"; a sliding-window model whose steps compile is
+    served statically), its packaged steps loaded or built now when it compiles them. `kwargs`:
+    max_batch_size, max_queue, base_config."""
     schedulers = {"continuous": ContinuousScheduler, "static": Scheduler}
     if batching not in schedulers:
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
-    if batching == "continuous" and any(getattr(getattr(model, "decoder", None), "sliding", ())):
-        batching = "static"  # rows of one cache at different positions: not with a sliding-window ring
+    sliding = any(getattr(getattr(model, "decoder", None), "sliding", ()))
+    if (
+        batching == "continuous"
+        and sliding
+        and compiles(model, kwargs.get("base_config") or GenerationConfig())
+    ):
+        batching = "static"  # compiled continuous steps are not built for sliding windows (eager ones are)
     if batching == "static":
         return Scheduler(model, **kwargs)
     # The continuous worker sizes its cache at start-up for a request of default_max_tokens (tierlm.aot).
