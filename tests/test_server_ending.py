@@ -141,3 +141,42 @@ def test_the_settings_are_validated_as_generation_config_fields(model):
         ValueError, match=r"stop_token_ids names token id 320; this model's ids are in \[0, 320\)"
     ):
         model.generate(PROMPT, max_new_tokens=2, stop_token_ids=(320,))
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_choice(http, model):
+    """vLLM's include_stop_str_in_output: the text keeps the stop string (and nothing the token wrote after
+    it), or the text of the stop token, that ended the choice."""
+    forced = model.tokenizer.encode("a", add_special_tokens=False)[0]
+    bias = {str(forced): 100}
+    kept = complete(http, max_tokens=8, logit_bias=bias, stop="a", include_stop_str_in_output=True)
+    assert (kept["count"], kept["text"], kept["finish_reason"]) == (1, "a", "stop")
+    later = dict(
+        max_tokens=8, logit_bias=bias, stop=["aa", "a"], min_tokens=3, include_stop_str_in_output=True
+    )
+    assert (complete(http, **later)["text"], streamed_text(http, **later)) == ("aaaa", "aaaa")  # "aa" at 2
+    plain, _, _ = library(model, max_new_tokens=8)
+    stop = plain[3]
+    k = plain.index(stop)
+    got = complete(http, max_tokens=8, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert (got["count"], got["text"]) == (k + 1, model.tokenizer.decode(plain[: k + 1]))
+    settings = dict(max_new_tokens=8, stop_token_ids=(stop,), include_stop_str_in_output=True)
+    assert library(model, **settings)[1] == got["text"]
+
+
+def test_a_stop_string_inside_a_token_cuts_the_text_there():
+    """TextTracker alone: the earliest stop string wins (at one place, the first listed), with or without
+    itself in the text, and text a token wrote past it is cut."""
+    from tierlm.generation.run import TextTracker
+
+    class Pieces:  # a stream decoder whose tokens are their own text
+        def push(self, token):
+            return token
+
+        def flush(self):
+            return ""
+
+    for include, want in ((False, "xy"), (True, "xyzzq")):  # "zzq" and "zz" both start at 2; "q" at 4
+        t = TextTracker(Pieces(), ("zzq", "zz", "q"), include=include)
+        for piece in ("xy", "zzq!"):
+            t.push(piece)
+        assert t.final == want, (include, t.final)

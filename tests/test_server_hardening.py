@@ -83,9 +83,8 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(web_search_options={}), "web_search_options"),
     (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages[0].name"),
     # vLLM's extensions at a value other than vLLM's default (they were accepted and ignored)
-    (CHAT, chat_body(include_stop_str_in_output=True), "include_stop_str_in_output"),
     (CHAT, chat_body(skip_special_tokens=False), "skip_special_tokens"),
-    (CHAT, chat_body(structured_outputs={"json": {}}), "structured_outputs"),
+    (CHAT, chat_body(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
     (CHAT, chat_body(echo=True), "echo"),
     (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # beside the generation prompt
     (COMPLETIONS, completion_body(prompt_logprobs=1), "prompt_logprobs"),

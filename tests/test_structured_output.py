@@ -8,6 +8,7 @@ seldom writes valid JSON, so every document that parses and validates is the mas
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -76,7 +77,7 @@ def chat_prompt(model, text: str) -> str:
         ("json", "response_format must be a dict"),
         (
             {"type": "xml"},
-            "response_format.type must be one of 'text', 'json_object', 'json_schema', got 'xml'",
+            "response_format.type must be one of 'text', 'json_object', 'json_schema', 'regex', 'choice', 'grammar', got 'xml'",
         ),
         ({}, "response_format.type must be one of"),
         ({"type": "json_object", "schema": {}}, "response_format has an unknown field 'schema'"),
@@ -327,3 +328,109 @@ def test_response_format_on_a_model_without_eos_is_a_400_before_it_is_queued(tmp
         assert error["param"] == "response_format" and "end-of-sequence" in error["message"]
         plain = httpx.post(live.url + "/v1/completions", json=body, trust_env=False, timeout=60)
         assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
+
+
+# --- vLLM's structured_outputs and guided_* fields: a regex, a choice, a Lark grammar, a schema ------------
+
+CHOICES = ["positive", "negative", 'it is "neutral"\n']
+GUIDED = [  # (fields, does the text satisfy them)
+    ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+    ({"guided_regex": r"[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2}", text)),
+    (
+        {"structured_outputs": {"regex": r"(yes|no), [A-Z]"}},
+        lambda text: re.fullmatch(r"(yes|no), [A-Z]", text),
+    ),
+    ({"guided_grammar": 'start: D D "+" D\nD: /[0-9]/'}, lambda text: re.fullmatch(r"\d\d\+\d", text)),
+    ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ({"guided_json": json.dumps(SCHEMA)}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+]
+
+
+@pytest.mark.parametrize(
+    "fields,holds", GUIDED, ids=[next(iter(f)) + str(i) for i, (f, _) in enumerate(GUIDED)]
+)
+def test_vllms_structured_output_fields_constrain_sampled_text(client, fields, holds):
+    """Each field of vLLM's, sampled at temperature 1 with two seeds on completions and chat: every text
+    satisfies it and ends with finish reason "stop" (the grammar is complete)."""
+    for seed in (1, 2):
+        text = client.completions.create(
+            model="tiny",
+            prompt="Answer:",
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed,
+            extra_body=fields,
+        )
+        chat = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Answer."}],
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed,
+            extra_body=fields,
+        )
+        for choice, out in (
+            (text.choices[0], text.choices[0].text),
+            (chat.choices[0], chat.choices[0].message.content),
+        ):
+            assert choice.finish_reason == "stop" and holds(out), (fields, out)
+
+
+def test_structured_outputs_json_object(client):
+    answer = client.completions.create(
+        model="tiny",
+        prompt="A JSON object describing a city:",
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        seed=3,
+        extra_body={"structured_outputs": {"json_object": True, "regex": None}},
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(answer.choices[0].text), dict)
+
+
+def test_the_library_takes_the_same_constraints_as_response_format_types(model):
+    prompt = chat_prompt(model, "Is this good?")
+    r = model.generate(prompt, max_new_tokens=16, response_format={"type": "choice", "choice": CHOICES})
+    assert r.texts[0] in CHOICES and r.finish_reasons == ["stop"]
+    r = model.generate(prompt, max_new_tokens=16, response_format={"type": "regex", "regex": r"[a-c]{4}"})
+    assert re.fullmatch(r"[a-c]{4}", r.texts[0])
+    assert parse_response_format({"type": "choice", "choice": CHOICES}).as_dict() == {
+        "type": "choice",
+        "choice": CHOICES,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"guided_regex": "(x"}, "guided_regex", "guided_regex is not a valid regular expression"),
+        (
+            {"guided_choice": []},
+            "guided_choice",
+            "guided_choice must be a non-empty list of non-empty strings",
+        ),
+        (
+            {"guided_grammar": "start: nothing"},
+            "guided_grammar",
+            "guided_grammar is not a valid Lark grammar",
+        ),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json is not JSON"),
+        ({"guided_json": [1]}, "guided_json", "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "exactly one of"),
+        (
+            {"structured_outputs": {"regex": "(x"}},
+            "structured_outputs",
+            "structured_outputs.regex is not a valid",
+        ),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "give one"),
+    ],
+)
+def test_bad_structured_output_fields_are_a_400_naming_them(live, fields, param, says):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **fields}
+    reply = httpx.post(live.url + "/v1/completions", json=body, trust_env=False, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and says in error["message"], error

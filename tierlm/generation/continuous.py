@@ -31,7 +31,7 @@ from tierlm.compile import CompileConfig, CompileDecision, decide, warn_if_skipp
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
-from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids
+from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids, text_tracker
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
 
 log = logging.getLogger(__name__)
@@ -158,9 +158,7 @@ class SlotBatch:
             self.stats["joined_running_batch"] += 1  # membership changed mid-run
         tok = self.model.tokenizer
         for choice, row in enumerate(rows):
-            self.rows[row] = Row(
-                seq, choice, TextTracker(tok.stream_decoder(), seq.stops, after=seq.config.min_new_tokens)
-            )
+            self.rows[row] = Row(seq, choice, text_tracker(tok, seq.stops, seq.config))
             self.sampler.set_row(row, seq.config, seq.prompt, choice)
             with torch.inference_mode(self.cache.valid.is_inference()):  # a cache a generate() run made
                 self.cache.valid[row] = False
@@ -385,8 +383,8 @@ class SlotBatch:
     def _emit(self, row: int, token: int, logprob, prompt_lp=None) -> Update:
         r = self.rows[row]
         r.tokens += 1
-        ends = self.sampler.ends_with(row, token)  # EOS or a stop_token_id: no text, as vLLM leaves it out
-        if not ends:
+        ends = self.sampler.ends_with(row, token)  # EOS or a stop_token_id: its text only if asked, as vLLM's
+        if r.tracker.include or not ends:
             r.tracker.push(token)
         reason = None
         if r.tracker.stopped_at is not None or ends or self.sampler.complete(row):

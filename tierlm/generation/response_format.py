@@ -2,7 +2,8 @@
 
 {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}} becomes a
 `ResponseFormat` when the GenerationConfig is built; a schema feature llguidance cannot enforce is a
-ValueError naming it. `tierlm.generation.grammar` enforces it while decoding.
+ValueError naming it. tierlm's "regex", "choice" and "grammar" types carry vLLM's other constraints.
+`tierlm.generation.grammar` enforces it while decoding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-FORMAT_TYPES = ("text", "json_object", "json_schema")
+FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+# tierlm's types beside OpenAI's: vLLM's structured_outputs constraints, each its own key's value
+GUIDED = {"regex": "regular expression", "choice": "list of choices", "grammar": "Lark grammar"}
 _SCHEMA_FIELDS = ("name", "description", "schema", "strict")
 # Compact JSON with OpenAI's separators; pinned (overrides) so a schema's "x-guidance" cannot allow
 # unbounded whitespace.
@@ -29,10 +32,11 @@ def llguidance_module():
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A validated response_format: "json_object" or "json_schema" with its schema, and its compiled grammar."""
+    """A validated response_format: "json_object", "json_schema" with its schema, or "regex", "choice",
+    "grammar" with theirs (`schema`), and its compiled grammar."""
 
     type: str
-    schema: str | None = None  # the schema as canonical JSON text (json_schema only)
+    schema: str | None = None  # json_schema's schema as canonical JSON text; the regex, choices or grammar
     name: str | None = None
     grammar: str = ""  # llguidance's grammar, compiled from the schema
 
@@ -40,6 +44,11 @@ class ResponseFormat:
         """The OpenAI form this was parsed from."""
         if self.type == "json_object":
             return {"type": "json_object"}
+        if self.type in GUIDED:
+            return {
+                "type": self.type,
+                self.type: json.loads(self.schema) if self.type == "choice" else self.schema,
+            }
         inner: dict[str, Any] = {"schema": json.loads(self.schema or "{}")}
         if self.name is not None:
             inner["name"] = self.name
@@ -60,10 +69,12 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if kind not in FORMAT_TYPES:
         choices = ", ".join(map(repr, FORMAT_TYPES))
         raise ValueError(f"response_format.type must be one of {choices}, got {_short(kind)}")
-    allowed = ("type", "json_schema") if kind == "json_schema" else ("type",)
+    allowed = ("type", kind) if kind in ("json_schema", *GUIDED) else ("type",)
     _refuse_unknown(value, allowed, "response_format")
     if kind == "text":
         return None
+    if kind in GUIDED:
+        return guided(kind, value.get(kind), f"response_format.{kind}")
     if kind == "json_object":
         return ResponseFormat("json_object", grammar=_compile({"type": "object"}))
     return _parse_json_schema(value.get("json_schema"))
@@ -79,13 +90,43 @@ def _parse_json_schema(spec: Any) -> ResponseFormat:
         raise ValueError(f"{where}.name must be a string, got {_short(name)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"{where}.strict must be true or false, got {_short(strict)}")
+    return json_schema(schema, f"{where}.schema", name)
+
+
+def json_schema(schema: Any, where: str, name: str | None = None) -> ResponseFormat:
+    """A JSON schema (a dict) as a "json_schema" ResponseFormat; ValueError naming `where`."""
     if not isinstance(schema, dict):
-        raise ValueError(f"{where}.schema must be a JSON Schema object, got {_short(schema)}")
+        raise ValueError(f"{where} must be a JSON Schema object, got {_short(schema)}")
     try:
         text = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}.schema is not JSON: {err}") from None
-    return ResponseFormat("json_schema", text, name, _compile(schema, f"{where}.schema"))
+        raise ValueError(f"{where} is not JSON: {err}") from None
+    return ResponseFormat("json_schema", text, name, _compile(schema, where))
+
+
+def guided(kind: str, spec: Any, where: str) -> ResponseFormat:
+    """vLLM's constraints beyond JSON: text matching a regular expression ("regex"), one of a list of strings
+    ("choice", as literals), or a Lark grammar as llguidance reads it ("grammar"); ValueError naming `where`."""
+    matcher = llguidance_module().LLMatcher
+    if kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise ValueError(f"{where} must be a non-empty list of non-empty strings, got {_short(spec)}")
+        text = json.dumps(spec, ensure_ascii=False)
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)  # quoted literals
+        grammar = matcher.grammar_from_lark(lark)
+    else:
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"{where} must be a non-empty string ({GUIDED[kind]}), got {_short(spec)}")
+        text = spec
+        build = matcher.grammar_from_regex if kind == "regex" else matcher.grammar_from_lark
+        try:
+            grammar = build(spec)
+        except ValueError as err:
+            raise ValueError(f"{where} is not a valid {GUIDED[kind]}: {err}") from None
+    error = matcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"{where} is not a valid {GUIDED[kind]}: {error.strip().splitlines()[0]}")
+    return ResponseFormat(kind, text, None, grammar)
 
 
 def _compile(schema: dict, where: str = "response_format") -> str:

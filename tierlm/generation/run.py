@@ -66,7 +66,9 @@ class TextTracker:
     emitted: int = 0
     stopped_at: int | None = None
     after: int = 0  # the row's min_new_tokens: stop strings are looked for in the text of later tokens only
+    include: bool = False  # the text keeps the stop string it ends with (vLLM's include_stop_str_in_output)
     pushed: int = 0
+    cut: int | None = None  # where the text ends once a stop string was found
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,9 +82,10 @@ class TextTracker:
         self.pushed += 1
         if self.pushed <= self.after:  # no stop string ends the text of a row's first `after` tokens
             return
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.stopped_at = min(hits)
+        hits = [(i, k) for k, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
+        if hits:  # the earliest; at one place, the first in the list
+            self.stopped_at, k = min(hits)
+            self.cut = self.stopped_at + (len(self.stops[k]) if self.include else 0)
 
     def finish(self) -> None:
         if self.stopped_at is None:
@@ -90,7 +93,7 @@ class TextTracker:
 
     @property
     def final(self) -> str:
-        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+        return self.text if self.cut is None else self.text[: self.cut]
 
     def delta(self, finished: bool) -> str:
         """New text safe to show: all of it when finished, else all but what could begin a stop string."""
@@ -98,6 +101,16 @@ class TextTracker:
         out = self.final[self.emitted : max(end, self.emitted)]
         self.emitted += len(out)
         return out
+
+
+def text_tracker(tokenizer, stops: tuple[str, ...], config: GenerationConfig) -> TextTracker:
+    """A row's TextTracker with its config's stop settings."""
+    return TextTracker(
+        tokenizer.stream_decoder(),
+        stops,
+        after=config.min_new_tokens,
+        include=config.include_stop_str_in_output,
+    )
 
 
 class Generation:
@@ -149,10 +162,7 @@ class Generation:
         stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
         if tok is not None:
-            self.trackers = [
-                TextTracker(tok.stream_decoder(), s, after=c.min_new_tokens)
-                for s, c in zip(stops, self.row_configs)
-            ]
+            self.trackers = [text_tracker(tok, s, c) for s, c in zip(stops, self.row_configs)]
         elif any(stops):
             raise ValueError("stop strings need a tokenizer; this model has none")
 
@@ -297,14 +307,15 @@ class Generation:
 
     def _tracked(self, should_stop, sampler: Sampler):
         """Feed each new token to its row's text tracker before the loop asks whether to stop; a token that
-        ends the row (EOS, stop_token_ids) adds no text, as vLLM leaves it out."""
+        ends the row (EOS, stop_token_ids) adds no text unless include_stop_str_in_output, as vLLM's."""
         if self.trackers is None:
             return should_stop
 
         def check(row: int) -> bool:
             token = self.state.tokens[row][-1]
-            if not sampler.ends_with(row, token):
-                self.trackers[row].push(token)
+            tracker = self.trackers[row]
+            if tracker.include or not sampler.ends_with(row, token):
+                tracker.push(token)
             return should_stop(row) if should_stop else False
 
         return check

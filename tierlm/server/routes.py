@@ -305,8 +305,8 @@ def _config(
 
 
 def _ending(state: ServerState, body: _Common, max_tokens: int) -> dict:
-    """vLLM's min_tokens, ignore_eos and stop_token_ids as generation settings, checked against max_tokens
-    and the vocabulary."""
+    """vLLM's min_tokens, ignore_eos, stop_token_ids and include_stop_str_in_output as generation settings,
+    checked against max_tokens and the vocabulary."""
     min_tokens, vocab = body.min_tokens or 0, state.model.config.vocab_size
     if min_tokens > max_tokens:
         message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
@@ -315,7 +315,12 @@ def _ending(state: ServerState, body: _Common, max_tokens: int) -> dict:
     bad = next((i for i in ids if i >= vocab), None)
     if bad is not None:
         raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab}), got {bad}", "stop_token_ids")
-    return dict(min_new_tokens=min_tokens, ignore_eos=bool(body.ignore_eos), stop_token_ids=ids)
+    return dict(
+        min_new_tokens=min_tokens,
+        ignore_eos=bool(body.ignore_eos),
+        stop_token_ids=ids,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+    )
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:

@@ -9,8 +9,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from tierlm.generation.response_format import ResponseFormat, parse_response_format
+from tierlm.generation.response_format import ResponseFormat
 from tierlm.server.errors import APIError, short_repr
+from tierlm.server.structured import STRUCTURED, constraint
 
 MAX_STOPS = 16  # OpenAI's API takes 4, vLLM any number; lm-evaluation-harness sends a task's stops and EOS
 NO_TOOLS = "is not supported: this server does not call tools"
@@ -18,12 +19,11 @@ MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (c
 MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
-# repetition_penalty, min_tokens, ignore_eos and stop_token_ids are fields below; add_generation_prompt and
-# continue_final_message are chat's fields.
+# repetition_penalty, min_tokens, ignore_eos, stop_token_ids and include_stop_str_in_output are fields
+# below; add_generation_prompt and continue_final_message are chat's fields.
 EXTENSIONS: dict[str, tuple] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "bad_words": ([],),
@@ -32,11 +32,6 @@ EXTENSIONS: dict[str, tuple] = {
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "logits_processors": (),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "chat_template": (),
@@ -105,16 +100,33 @@ class _Common(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # no EOS, stop token or stop string ends a choice before these
     ignore_eos: bool | None = None  # EOS does not end a choice
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # token ids that end a choice, as EOS
-    # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it)
+    include_stop_str_in_output: bool | None = (
+        None  # the text keeps the stop string (or stop token) it ends on
+    )
+    # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it),
+    # and vLLM's structured_outputs and its older guided_* fields: one of them per request
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # one of json, json_object, regex, choice, grammar
+    guided_json: dict[str, Any] | str | None = None  # a JSON schema, or its JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark, as llguidance reads it
 
     @cached_property
     def parsed_response_format(self) -> ResponseFormat | None:
-        """response_format validated and compiled to a grammar; a 400 naming what is wrong or unsupported."""
+        """The request's output constraint validated and compiled to a grammar; a 400 naming what is wrong
+        or unsupported, or that two constraints were given."""
+        given = [name for name in STRUCTURED if getattr(self, name) is not None]
+        if len(given) > 1:
+            message = f"give one structured-output field, got {' and '.join(given)}"
+            raise APIError(400, message, given[1])
+        if not given:
+            return None
+        name = given[0]
         try:
-            return parse_response_format(self.response_format)
+            return constraint(name, getattr(self, name))
         except ValueError as err:
-            raise APIError(400, str(err), "response_format") from err
+            raise APIError(400, str(err), name) from err
 
     def logit_bias_ids(self, vocab: int) -> dict[int, float]:
         """logit_bias with its keys as token ids, each checked against the vocabulary."""
