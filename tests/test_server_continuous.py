@@ -418,6 +418,11 @@ BAD = [
     (COMPLETIONS, {"stop_token_ids": [320]}, "stop_token_ids"),  # the vocabulary is 320 tokens
     (COMPLETIONS, {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
     (CHAT, {"stop_token_ids": 5}, "stop_token_ids"),
+    (COMPLETIONS, {"allowed_token_ids": []}, "allowed_token_ids"),
+    (COMPLETIONS, {"allowed_token_ids": [3, 320]}, "allowed_token_ids"),
+    (CHAT, {"allowed_token_ids": [-1]}, "allowed_token_ids[0]"),
+    (COMPLETIONS, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    (CHAT, {"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
 ]
 
 

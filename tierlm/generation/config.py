@@ -71,9 +71,9 @@ def _normalize_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _normalize_token_ids(value: Any) -> tuple[int, ...]:
+def _normalize_token_ids(value: Any, name: str = "stop_token_ids") -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in value):
-        raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {_describe(value)}")
+        raise ValueError(f"{name} must be a list of token ids >= 0, got {_describe(value)}")
     return tuple(value)
 
 
@@ -118,6 +118,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0  # OpenAI's: minus this once a token was generated
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only these (vLLM's); None: any token
     n: int = 1  # samples per prompt, sharing one prefill
     logprobs: int | None = None  # per generated token: its log probability and the top-N (raw logits)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
@@ -175,6 +176,11 @@ class GenerationConfig:
             v = getattr(self, name)
             self._set(name, _check_float(name, v, "in [-2, 2]", _in(v, -2, 2)))
         self._set("logit_bias", _normalize_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise ValueError("allowed_token_ids must name at least one token (None: any token)")
+            self._set("allowed_token_ids", allowed)
         _check_int("n", self.n, 1)
         _check_int("logprobs", self.logprobs, 0, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)

@@ -108,8 +108,8 @@ class Sampler:
         self.steps, self.min_new = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         self.configs: list[GenerationConfig | None] = [None] * rows
         self.generators: list[torch.Generator | None] = [None] * rows
-        # [rows, vocab], made once a row needs them; `early`: what a row may not sample before min_new_tokens
-        self.seen = self.counts = self.bias = self.early = None
+        # [rows, vocab], made once a row needs them (`_set_tables`)
+        self.seen = self.counts = self.bias = self.early = self.barred = None
         self.grammar = None  # a grammar.GrammarMask, set before set_row when a row has a response_format
 
     def set_row(self, row: int, config: GenerationConfig, prompt: list[int], choice: int = 0) -> None:
@@ -121,39 +121,43 @@ class Sampler:
         self.frequency[row], self.sampled[row] = c.frequency_penalty, not c.greedy
         self.steps[row], self.min_new[row] = 0, c.min_new_tokens
         self.ends[row] = frozenset((() if c.ignore_eos else self.eos_ids) + c.stop_token_ids)
-        self._set_early(row, c)
         self.generators[row] = None
         if not c.greedy:  # unseeded rows draw their seed from torch's global RNG, so manual_seed still rules
             seed = row_seed(c.seed, choice) if c.seed is not None else int(torch.randint(2**62, ()).item())
             self.generators[row] = torch.Generator(device=self.device).manual_seed(seed)
-        if c.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = self._table(torch.bool)
-        if self.seen is not None:
-            self.seen[row] = False
-            mark_seen(self.seen[row : row + 1], torch.tensor(prompt, device=self.device))
-        if (c.presence_penalty or c.frequency_penalty) and self.counts is None:
-            self.counts = self._table(torch.float32)
-        if self.counts is not None:
-            self.counts[row] = 0
-        if c.logit_bias and self.bias is None:
-            self.bias = self._table(torch.float32)
-        if self.bias is not None:
-            self.bias[row] = 0
-            if c.logit_bias:
-                ids, values = zip(*c.logit_bias)
-                self.bias[row, list(ids)] = torch.tensor(values, device=self.device)
+        self._set_tables(row, c, prompt)
         if self.grammar is not None:
             self.grammar.set_row(row, c.response_format)
 
-    def _set_early(self, row: int, c: GenerationConfig) -> None:
-        """Before min_new_tokens a row samples neither EOS (even with ignore_eos) nor its stop_token_ids,
-        as vLLM's min_tokens masks them."""
+    def _set_tables(self, row: int, c: GenerationConfig, prompt: list[int]) -> None:
+        """The row's lines of the [rows, vocab] tables: tokens seen (repetition penalty), counts (presence and
+        frequency), logit bias, what it may not sample before min_new_tokens (EOS even with ignore_eos, and
+        its stop_token_ids, as vLLM's min_tokens masks them), what allowed_token_ids bars."""
+        if (seen := self._row_table("seen", row, torch.bool, c.repetition_penalty != 1.0)) is not None:
+            mark_seen(seen[row : row + 1], torch.tensor(prompt, device=self.device))
+        self._row_table("counts", row, torch.float32, bool(c.presence_penalty or c.frequency_penalty))
+        if (
+            bias := self._row_table("bias", row, torch.float32, bool(c.logit_bias))
+        ) is not None and c.logit_bias:
+            ids, values = zip(*c.logit_bias)
+            bias[row, list(ids)] = torch.tensor(values, device=self.device)
         banned = (self.eos_ids + c.stop_token_ids) if c.min_new_tokens else ()
-        if banned and self.early is None:
-            self.early = self._table(torch.bool)
-        if self.early is not None:
-            self.early[row] = False
-            self.early[row, list(banned)] = True
+        if (early := self._row_table("early", row, torch.bool, bool(banned))) is not None:
+            early[row, list(banned)] = True
+        allowed = c.allowed_token_ids
+        barred = self._row_table("barred", row, torch.bool, allowed is not None, allowed is not None)
+        if barred is not None and allowed is not None:
+            barred[row, list(allowed)] = False
+
+    def _row_table(self, name: str, row: int, dtype, needed: bool, fill=0) -> torch.Tensor | None:
+        """Table `name`, made once a row needs it, with `row`'s line set to `fill`; None while none does."""
+        table = getattr(self, name)
+        if needed and table is None:
+            table = self._table(dtype)
+            setattr(self, name, table)
+        if table is not None:
+            table[row] = fill
+        return table
 
     def ends_with(self, row: int, token: int) -> bool:
         """Whether `token` ends `row`: an EOS (unless the row ignores EOS) or one of its stop_token_ids."""
@@ -174,6 +178,8 @@ class Sampler:
         logits = logits.float()
         if self.bias is not None:  # before the penalties, as transformers' sequence_bias and vLLM apply it
             logits = logits + pick(self.bias)
+        if self.barred is not None:  # allowed_token_ids
+            logits = suppress_where(logits, pick(self.barred))
         if self.seen is not None:
             logits = apply_repetition_penalty_rows(logits, pick(self.seen), pick(self.repetition))
         if self.counts is not None:

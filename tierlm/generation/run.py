@@ -496,6 +496,7 @@ def _check_vocab_settings(configs, vocab: int) -> None:
             if (getattr(c, name) or 0) > vocab:
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
         named = {"logit_bias": [i for i, _ in c.logit_bias], "stop_token_ids": c.stop_token_ids}
+        named["allowed_token_ids"] = c.allowed_token_ids or ()
         for name, ids in named.items():
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:

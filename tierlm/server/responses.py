@@ -59,6 +59,7 @@ class Reply:
     echo: bool = False
     top: int | None = None
     tokenizer: object = None
+    token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -104,6 +105,10 @@ class Reply:
         """A token's text for logprobs: "bytes:\\xNN.." for a token inside a character, as OpenAI writes it."""
         return piece_text(self.tokenizer.token_bytes(token))
 
+    def _name(self, token: int) -> str:
+        """How logprobs name a token: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token}" if self.token_ids else self._token(token)
+
     def _logprobs(self, entries: list[TokenLogprob], choice: Choice) -> dict | None:
         if self.top is None:
             return None
@@ -130,10 +135,10 @@ class Reply:
             if e.logprob is not None:  # the chosen token too, as vLLM answers
                 top = {}
                 for t, v in [*e.top[: self.top], (e.token, e.logprob)]:
-                    top.setdefault(self._token(t), v)  # tokens that decode alike keep the likelier
+                    top.setdefault(self._name(t), v)  # tokens that decode alike keep the likelier
             tops.append(top)
         return {
-            "tokens": tokens,
+            "tokens": [self._name(e.token) for e in entries] if self.token_ids else tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": tops,
             "text_offset": offsets,
@@ -142,7 +147,7 @@ class Reply:
     def _chat_entry(self, e: TokenLogprob) -> dict:
         def one(token: int, logprob: float) -> dict:
             raw = self.tokenizer.token_bytes(token)  # the token's own bytes: they rebuild split characters
-            return {"token": piece_text(raw), "logprob": logprob, "bytes": list(raw)}
+            return {"token": self._name(token), "logprob": logprob, "bytes": list(raw)}
 
         return {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[: self.top]]}
 

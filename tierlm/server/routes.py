@@ -223,6 +223,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
             text = state.model.tokenizer.decode(ids, skip_special_tokens=False) if body.echo else ""
         else:  # off the event loop: a long prompt takes a while to encode
             ids, text = await asyncio.to_thread(state.model.tokenizer.encode, prompt), prompt
+        if len(cut := _truncated(state, body, ids)) < len(ids):  # the echo is what the model reads
+            ids, text = cut, state.model.tokenizer.decode(cut, skip_special_tokens=False) if body.echo else ""
         rows.append(ids)
         texts.append(text)
     limits = [
@@ -248,7 +250,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 @_generation_route("/v1/chat/completions", ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state = _checked_state(http, body)
-    ids = await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body)
+    ids = _truncated(state, body, await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body))
     max_tokens = _max_tokens(
         state,
         len(ids),
@@ -265,7 +267,11 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
 def _reply(state: ServerState, body: _Common, **shape) -> Reply:
     """The response's identity: the served model's name, the request's usage option, the tokenizer."""
     return Reply(
-        model=state.model_name, include_usage=body.include_usage, tokenizer=state.model.tokenizer, **shape
+        model=state.model_name,
+        include_usage=body.include_usage,
+        tokenizer=state.model.tokenizer,
+        token_ids=bool(body.return_tokens_as_token_ids),
+        **shape,
     )
 
 
@@ -291,7 +297,7 @@ def _config(
         prompt_logprobs=prompt_logprobs,
         response_format=body.parsed_response_format,
         stop=(),
-        **_ending(state, body, max_tokens),
+        **_vllm_settings(state, body, max_tokens),
     )
     base = state.scheduler.base_config
     try:
@@ -304,23 +310,31 @@ def _config(
     return config
 
 
-def _ending(state: ServerState, body: _Common, max_tokens: int) -> dict:
-    """vLLM's min_tokens, ignore_eos, stop_token_ids and include_stop_str_in_output as generation settings,
-    checked against max_tokens and the vocabulary."""
-    min_tokens, vocab = body.min_tokens or 0, state.model.config.vocab_size
+def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
+    """vLLM's min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output and allowed_token_ids as
+    generation settings, checked against max_tokens and the vocabulary."""
+    min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
         message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
         raise APIError(400, message, "min_tokens")
-    ids = tuple(body.stop_token_ids or ())
-    bad = next((i for i in ids if i >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab}), got {bad}", "stop_token_ids")
+    allowed = body.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise APIError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
     return dict(
         min_new_tokens=min_tokens,
         ignore_eos=bool(body.ignore_eos),
-        stop_token_ids=ids,
+        stop_token_ids=_vocabulary_ids(state, "stop_token_ids", body.stop_token_ids or ()),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        allowed_token_ids=None if allowed is None else _vocabulary_ids(state, "allowed_token_ids", allowed),
     )
+
+
+def _vocabulary_ids(state: ServerState, name: str, ids: list[int]) -> tuple[int, ...]:
+    vocab = state.model.config.vocab_size
+    bad = next((i for i in ids if i >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{name} must be token ids in [0, {vocab}), got {bad}", name)
+    return tuple(ids)
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -339,6 +353,18 @@ def _checked_state(http: HTTPRequest, body: _Common) -> ServerState:
         message = f"n must be <= {rows}: each choice takes a row of the server's batch (max_batch_size)"
         raise APIError(400, f"{message}, got {body.n}", "n")
     return state
+
+
+def _truncated(state: ServerState, body: _Common, ids: list[int]) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (vLLM's; -1: the model's context), else all."""
+    keep = body.truncate_prompt_tokens
+    if keep == 0:
+        raise APIError(
+            400, "truncate_prompt_tokens must be -1 (the context) or >= 1, got 0", "truncate_prompt_tokens"
+        )
+    if keep is None:
+        return ids
+    return ids[-(state.context if keep == -1 else keep) :]
 
 
 def _token_ids(state: ServerState, ids: list[int], param: str = "prompt") -> list[int]:

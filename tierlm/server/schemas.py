@@ -19,18 +19,16 @@ MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (c
 MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
-# repetition_penalty, min_tokens, ignore_eos, stop_token_ids and include_stop_str_in_output are fields
-# below; add_generation_prompt and continue_final_message are chat's fields.
+# repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
+# truncate_prompt_tokens, return_tokens_as_token_ids and the structured-output fields are fields below;
+# add_generation_prompt and continue_final_message are chat's fields.
 EXTENSIONS: dict[str, tuple] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "bad_words": ([],),
-    "allowed_token_ids": (),
     "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
-    "return_tokens_as_token_ids": (False,),
     "logits_processors": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
@@ -100,9 +98,10 @@ class _Common(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # no EOS, stop token or stop string ends a choice before these
     ignore_eos: bool | None = None  # EOS does not end a choice
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # token ids that end a choice, as EOS
-    include_stop_str_in_output: bool | None = (
-        None  # the text keeps the stop string (or stop token) it ends on
-    )
+    include_stop_str_in_output: bool | None = None  # keep the stop string (or token) the text ends on
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # sample only these
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: context)
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it),
     # and vLLM's structured_outputs and its older guided_* fields: one of them per request
     response_format: dict[str, Any] | None = None

@@ -1,5 +1,7 @@
-"""What ends a choice, as vLLM's extensions say it: `min_tokens`, `ignore_eos` and `stop_token_ids`, over HTTP on
-both batching modes, with the library's generate() (the same settings as GenerationConfig fields) as reference.
+"""vLLM's extensions to OpenAI's API over HTTP, on both batching modes, with the library's generate() (the same
+settings as GenerationConfig fields) as reference: what ends a choice (`min_tokens`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`), `allowed_token_ids`, `truncate_prompt_tokens` and
+`return_tokens_as_token_ids`.
 
 The served tiny model's EOS logit is 0, so a greedy run never ends by itself: a logit_bias of +100 on EOS (or on
 another token) makes the model want it at every step, which is what these settings must hold back or ignore."""
@@ -180,3 +182,63 @@ def test_a_stop_string_inside_a_token_cuts_the_text_there():
         for piece in ("xy", "zzq!"):
             t.push(piece)
         assert t.final == want, (include, t.final)
+
+
+def test_allowed_token_ids_are_all_a_sampled_choice_may_take(http, model):
+    """Sampled at temperature 1: every token is one of the allowed (EOS is not, so it runs to max_tokens), and
+    the tokens are the seeded library run's; logprobs name them "token_id:<id>" when asked."""
+    allowed = [7, 40, 41, 200]
+    fields = dict(max_tokens=12, temperature=1.0, seed=5, allowed_token_ids=allowed)
+    got = complete(http, **fields, return_tokens_as_token_ids=True)
+    ids = [int(t.removeprefix("token_id:")) for t in got["tokens"]]
+    assert set(ids) <= set(allowed) and len(set(ids)) > 1 and got["finish_reason"] == "length"
+    r = model.generate(PROMPT, max_new_tokens=12, do_sample=True, seed=5, allowed_token_ids=tuple(allowed))
+    assert ids == r.token_ids[0] and got["text"] == r.texts[0]
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id_and_changes_nothing_else(http, model):
+    fields = dict(max_tokens=6, logprobs=2)
+    named, by_id = complete(http, **fields), complete(http, **fields, return_tokens_as_token_ids=True)
+    ids, _, _ = library(model, max_new_tokens=6)
+    assert by_id["tokens"] == [f"token_id:{t}" for t in ids] and named["tokens"] == [
+        piece(model, t) for t in ids
+    ]
+    assert by_id["logprobs"]["text_offset"] == named["logprobs"]["text_offset"]
+    assert all(key.startswith("token_id:") for top in by_id["logprobs"]["top_logprobs"] for key in top)
+    assert by_id["text"] == named["text"]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
+    ).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(
+        e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"].startswith("token_id:")
+        for e in content
+    )
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, model):
+    ids = model.tokenizer.encode("Once upon a time there was a small town by the sea")
+    assert len(ids) > 6
+    cut = complete(http, prompt=ids, max_tokens=4, truncate_prompt_tokens=5, echo=True)
+    short = complete(http, prompt=ids[-5:], max_tokens=4, echo=True)
+    assert cut["text"] == short["text"] and cut["text"].startswith(model.tokenizer.decode(ids[-5:]))
+    usage = http.post(
+        COMPLETIONS, json={"model": NAME, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 5}
+    )
+    assert usage.json()["usage"]["prompt_tokens"] == 5
+    whole = http.post(
+        COMPLETIONS, json={"model": NAME, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1}
+    )
+    assert whole.json()["usage"]["prompt_tokens"] == len(ids)  # -1: up to the context, which it fits
+    zero = http.post(
+        COMPLETIONS, json={"model": NAME, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 0}
+    )
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
