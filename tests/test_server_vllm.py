@@ -242,3 +242,56 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, model):
         COMPLETIONS, json={"model": NAME, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 0}
     )
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_text(http, model):
+    """A special token the model is pushed to write (ChatML's <|im_start|>, not EOS) has no text by default,
+    and its own with skip_special_tokens false, as vLLM writes it; the offsets follow the text."""
+    special = model.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1 and special[0] not in model.tokenizer.eos_token_ids
+    fields = dict(max_tokens=3, logit_bias={str(special[0]): 100})
+    assert complete(http, **fields)["text"] == ""
+    kept = complete(http, **fields, skip_special_tokens=False)
+    assert kept["text"] == "<|im_start|>" * 3 and kept["logprobs"]["text_offset"] == [0, 12, 24]
+    _, text, _ = library(model, max_new_tokens=3, logit_bias={special[0]: 100}, skip_special_tokens=False)
+    assert text == kept["text"]
+
+
+THINKING = (  # Qwen3's switch, in the served ChatML template
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """vLLM's chat_template_kwargs are the template's variables (Qwen3's enable_thinking): /tokenize and a chat
+    completion read them; the template's own names are a 400, and so is the field on a completion."""
+    folder = write_served_model(tmp_path / "thinking")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
+    messages = [{"role": "user", "content": "hi"}]
+    off = {"enable_thinking": False}
+    with serve(tierlm.load(folder, dtype="float32")) as live:
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as http:
+            plain = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+            thinking = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": off}).json()
+            assert (
+                http.post("/detokenize", json={"tokens": thinking["tokens"]})
+                .json()["prompt"]
+                .endswith("assistant\n<think>\n\n</think>\n\n")
+            )
+            assert thinking["tokens"][: len(plain)] == plain and thinking["count"] > len(plain)
+            body = {"model": NAME, "messages": messages, "max_tokens": 1, "chat_template_kwargs": off}
+            assert (
+                http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+                == thinking["count"]
+            )
+            bad = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"messages": []}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+            refused = http.post(
+                COMPLETIONS, json={"model": NAME, "prompt": "hi", "chat_template_kwargs": off}
+            )
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"

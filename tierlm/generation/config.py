@@ -127,9 +127,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end a row, as EOS does (vLLM's)
     ignore_eos: bool = False  # EOS does not end a row: it decodes to max_new_tokens (vLLM's, llama.cpp's)
-    include_stop_str_in_output: bool = (
-        False  # the text keeps the stop string or stop token it ends on (vLLM's)
-    )
+    include_stop_str_in_output: bool = False  # the text keeps the stop string or token it ends on (vLLM's)
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output (vLLM's)
     # structured output, as OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     response_format: ResponseFormat | dict | None = None
     cache_implementation: str = "static"
@@ -193,6 +192,7 @@ class GenerationConfig:
         self._set("stop_token_ids", _normalize_token_ids(self.stop_token_ids))
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
 
     def _validate_cache_and_compile(self) -> None:
         impl = self.cache_implementation

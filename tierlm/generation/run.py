@@ -106,7 +106,7 @@ class TextTracker:
 def text_tracker(tokenizer, stops: tuple[str, ...], config: GenerationConfig) -> TextTracker:
     """A row's TextTracker with its config's stop settings."""
     return TextTracker(
-        tokenizer.stream_decoder(),
+        tokenizer.stream_decoder(skip_special_tokens=config.skip_special_tokens),
         stops,
         after=config.min_new_tokens,
         include=config.include_stop_str_in_output,

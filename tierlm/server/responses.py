@@ -60,6 +60,7 @@ class Reply:
     top: int | None = None
     tokenizer: object = None
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    skip_special: bool = True  # the answer's text leaves special tokens out (vLLM's skip_special_tokens)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -121,7 +122,8 @@ class Reply:
             if choice.counter is None or choice.counted == choice.echoed:
                 if choice.counter is not None:  # the prompt's last characters, then the answer's
                     choice.offset += len(choice.counter.flush())
-                choice.counter = self.tokenizer.stream_decoder(skip_special_tokens=answer)
+                skip = answer and self.skip_special
+                choice.counter = self.tokenizer.stream_decoder(skip_special_tokens=skip)
             delta = choice.counter.push(e.token)
             # a whole token ends the text it completes (after the U+FFFD of broken bytes before it); a
             # token inside a character starts where the text sent so far ends

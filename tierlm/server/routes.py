@@ -152,12 +152,25 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
 
 
-def _template_text(tokenizer, messages, add_generation_prompt: bool, continue_final_message: bool) -> str:
+# what a chat template's context holds already, or the server refuses (tools, documents): not for
+# chat_template_kwargs to set
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
+
+
+def _template_text(tokenizer, body) -> str:
+    """The chat of `body` (a chat completion or a /tokenize of messages) rendered by the model's template,
+    with vLLM's chat_template_kwargs as more variables."""
+    extra = body.chat_template_kwargs or {}
+    own = next((k for k in extra if k in _TEMPLATE_OWN or k == "chat_template"), None)
+    if own is not None:
+        message = f"chat_template_kwargs cannot set {own!r}: it is the request's own field, or refused"
+        raise APIError(400, message, "chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
+            [m.as_template_input() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **extra,
         )
     except ValueError as err:
         raise APIError(400, str(err), "messages") from err
@@ -173,7 +186,7 @@ async def tokenize(body: TokenizeRequest, http: HTTPRequest) -> dict:
     body.check()
     tok = state.model.tokenizer
     if body.messages is not None:
-        text = _template_text(tok, body.messages, body.add_generation_prompt, body.continue_final_message)
+        text = _template_text(tok, body)
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -271,6 +284,7 @@ def _reply(state: ServerState, body: _Common, **shape) -> Reply:
         include_usage=body.include_usage,
         tokenizer=state.model.tokenizer,
         token_ids=bool(body.return_tokens_as_token_ids),
+        skip_special=body.skip_special_tokens is not False,
         **shape,
     )
 
@@ -311,8 +325,8 @@ def _config(
 
 
 def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
-    """vLLM's min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output and allowed_token_ids as
-    generation settings, checked against max_tokens and the vocabulary."""
+    """vLLM's min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens and
+    allowed_token_ids as generation settings, checked against max_tokens and the vocabulary."""
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
         message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
@@ -325,6 +339,7 @@ def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
         ignore_eos=bool(body.ignore_eos),
         stop_token_ids=_vocabulary_ids(state, "stop_token_ids", body.stop_token_ids or ()),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
         allowed_token_ids=None if allowed is None else _vocabulary_ids(state, "allowed_token_ids", allowed),
     )
 
@@ -338,7 +353,7 @@ def _vocabulary_ids(state: ServerState, name: str, ids: list[int]) -> tuple[int,
 
 
 def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    text = _template_text(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
+    text = _template_text(tokenizer, body)
     # the template writes its own special tokens; as transformers does, encode without adding more
     return tokenizer.encode(text, add_special_tokens=False)
 

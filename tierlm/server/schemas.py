@@ -20,12 +20,11 @@ MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
 # repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
-# truncate_prompt_tokens, return_tokens_as_token_ids and the structured-output fields are fields below;
-# add_generation_prompt and continue_final_message are chat's fields.
+# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens and the structured-output fields
+# are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
 EXTENSIONS: dict[str, tuple] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "bad_words": ([],),
     "prompt_logprobs": (),
@@ -33,7 +32,6 @@ EXTENSIONS: dict[str, tuple] = {
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "documents": ([],),
     "mm_processor_kwargs": (),
 }
@@ -61,7 +59,7 @@ def refuse_unless_default(body: BaseModel, limits: dict[str, tuple[tuple, str]],
     `limits` maps a field to the values it honours besides null (its defaults) and why others are refused.
     """
     for name, (honoured, why) in limits.items():
-        value = getattr(body, name)
+        value = getattr(body, name, None)  # an undeclared field, absent: None
         if value is not None and value not in honoured:
             raise APIError(400, f"{prefix}{name} {why}, got {short_repr(value)}", f"{prefix}{name}")
 
@@ -102,6 +100,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # sample only these
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: context)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+    skip_special_tokens: bool | None = None  # false: special tokens' text is in the output
     # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it),
     # and vLLM's structured_outputs and its older guided_* fields: one of them per request
     response_format: dict[str, Any] | None = None
@@ -169,6 +168,7 @@ class CompletionRequest(_Common):
         **_Common.LIMITS,
         "best_of": ((1,), "must be 1: one candidate per choice is supported"),
         "suffix": (("",), "is not supported: this server does not insert text"),
+        "chat_template_kwargs": (({},), "is a chat completion's field: a completion has no chat template"),
     }
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
@@ -243,6 +243,7 @@ class ChatCompletionRequest(_Common):
     # vLLM's: how the chat template ends the prompt (both true is an error, as in vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     echo: bool = False  # vLLM's echo of the last message: not supported, refused when true
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -306,6 +307,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
