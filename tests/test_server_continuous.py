@@ -423,6 +423,8 @@ BAD = [
     (CHAT, {"allowed_token_ids": [-1]}, "allowed_token_ids[0]"),
     (COMPLETIONS, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     (CHAT, {"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    (COMPLETIONS, {"bad_words": [" "]}, "bad_words"),
+    (CHAT, {"bad_words": "word"}, "bad_words"),
 ]
 
 

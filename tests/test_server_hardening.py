@@ -85,7 +85,6 @@ UNHONOURED = [  # (path, body, the param the error names)
     # vLLM's extensions at a value other than vLLM's default (they were accepted and ignored)
     (CHAT, chat_body(guided_decoding_backend="xgrammar"), "guided_decoding_backend"),
     (CHAT, chat_body(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
-    (COMPLETIONS, completion_body(bad_words=["x"]), "bad_words"),
     (CHAT, chat_body(echo=True), "echo"),
     (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # beside the generation prompt
     (COMPLETIONS, completion_body(prompt_logprobs=1), "prompt_logprobs"),

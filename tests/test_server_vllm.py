@@ -139,6 +139,10 @@ def test_the_settings_are_validated_as_generation_config_fields(model):
         GenerationConfig(stop_token_ids=[-1])
     with pytest.raises(ValueError, match="ignore_eos must be True or False"):
         GenerationConfig(ignore_eos=1)
+    with pytest.raises(ValueError, match="bad_words must be a list of words"):
+        GenerationConfig(bad_words="word")
+    with pytest.raises(ValueError, match="allowed_token_ids must name at least one token"):
+        GenerationConfig(allowed_token_ids=[])
     with pytest.raises(
         ValueError, match=r"stop_token_ids names token id 320; this model's ids are in \[0, 320\)"
     ):
@@ -295,3 +299,25 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
                 COMPLETIONS, json={"model": NAME, "prompt": "hi", "chat_template_kwargs": off}
             )
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_bad_words_are_never_written(http, model):
+    """vLLM's bad_words: a two-token word the greedy run writes is cut off at its second token, the same as
+    the library's run, and a one-token word the model is pushed to write never comes."""
+    from tierlm.generation.bad_words import word_sequences
+
+    plain, _, _ = library(model, max_new_tokens=16)
+    pairs = [(i, model.tokenizer.decode(plain[i : i + 2]).strip()) for i in range(len(plain) - 1)]
+    i, word = next(
+        (i, w) for i, w in pairs if w and tuple(plain[i : i + 2]) in word_sequences(model.tokenizer, (w,))
+    )
+    banned = word_sequences(model.tokenizer, (word,))
+    got = complete(http, max_tokens=16, bad_words=[word], return_tokens_as_token_ids=True)
+    ids = [int(t.removeprefix("token_id:")) for t in got["tokens"]]
+    assert ids[: i + 1] == plain[: i + 1] and ids[i + 1] != plain[i + 1]
+    assert not any(tuple(ids[j : j + len(s)]) == s for s in banned for j in range(len(ids)))
+    assert library(model, max_new_tokens=16, bad_words=(word,))[0] == ids
+    forced = model.tokenizer.encode("a", add_special_tokens=False)[0]
+    fields = dict(max_tokens=6, logit_bias={str(forced): 100}, return_tokens_as_token_ids=True)
+    assert complete(http, **fields)["tokens"] == [f"token_id:{forced}"] * 6
+    assert f"token_id:{forced}" not in complete(http, **fields, bad_words=["a"])["tokens"]

@@ -129,6 +129,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # EOS does not end a row: it decodes to max_new_tokens (vLLM's, llama.cpp's)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or token it ends on (vLLM's)
     skip_special_tokens: bool = True  # False: special tokens' text is in the output (vLLM's)
+    bad_words: tuple[str, ...] = ()  # words a row may not write, as vLLM bans them (generation/bad_words.py)
     # structured output, as OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     response_format: ResponseFormat | dict | None = None
     cache_implementation: str = "static"
@@ -193,6 +194,10 @@ class GenerationConfig:
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        words = self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {_describe(words)}")
+        self._set("bad_words", tuple(words))
 
     def _validate_cache_and_compile(self) -> None:
         impl = self.cache_implementation

@@ -28,6 +28,7 @@ import torch
 
 from tierlm.cache import StaticCache, bucket_length
 from tierlm.compile import CompileConfig, CompileDecision, decide, warn_if_skipped
+from tierlm.generation.bad_words import BadWords
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
@@ -100,6 +101,7 @@ class SlotBatch:
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)  # may be empty: no EOS
         self.sampler = Sampler(slots, cfg.vocab_size, eos, self.device)
         self.sampler.grammar = GrammarMask(tok, slots, cfg.vocab_size, self.eos_ids)  # built on first use
+        self.sampler.bad_words = BadWords(tok, slots)
         self.rows: list[Row | None] = [None] * slots
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)

@@ -111,6 +111,7 @@ class Sampler:
         # [rows, vocab], made once a row needs them (`_set_tables`)
         self.seen = self.counts = self.bias = self.early = self.barred = None
         self.grammar = None  # a grammar.GrammarMask, set before set_row when a row has a response_format
+        self.bad_words = None  # a bad_words.BadWords, set before set_row where there is a tokenizer
 
     def set_row(self, row: int, config: GenerationConfig, prompt: list[int], choice: int = 0) -> None:
         """Give `row` to a new sequence: its settings, its prompt (for the repetition penalty), its RNG."""
@@ -128,6 +129,10 @@ class Sampler:
         self._set_tables(row, c, prompt)
         if self.grammar is not None:
             self.grammar.set_row(row, c.response_format)
+        if self.bad_words is not None:
+            self.bad_words.set_row(row, c.bad_words)
+        elif c.bad_words:
+            raise ValueError("bad_words need a tokenizer; this model has none")
 
     def _set_tables(self, row: int, c: GenerationConfig, prompt: list[int]) -> None:
         """The row's lines of the [rows, vocab] tables: tokens seen (repetition penalty), counts (presence and
@@ -187,6 +192,9 @@ class Sampler:
         if self.early is not None and any(c.min_new_tokens for c in configs):  # no EOS before min_new_tokens
             early = (self.steps[index.cpu()] < self.min_new[index.cpu()]).to(logits.device)[:, None]
             logits = suppress_where(logits, early & pick(self.early))
+        bad = self.bad_words is not None and self.bad_words.active
+        if bad:
+            logits = self.bad_words.apply(logits, rows)
         if self.grammar is not None:  # structured output: what a row's grammar forbids gets -inf
             logits = self.grammar.apply(logits, rows)
         tokens = logits.argmax(dim=-1)
@@ -207,8 +215,12 @@ class Sampler:
                     noise[i].exponential_(1, generator=self.generators[row])
             tokens = torch.where(pick(self.sampled), draw(warped.softmax(dim=-1), noise), tokens)
         self._record(index, tokens)
-        if self.grammar is not None:
-            self.grammar.advance(rows, tokens.tolist())
+        if self.grammar is not None or bad:
+            host = tokens.tolist()  # the loop reads them next anyway: no extra wait
+            if self.grammar is not None:
+                self.grammar.advance(rows, host)
+            if bad:
+                self.bad_words.advance(rows, host)
         return tokens
 
     def complete(self, row: int) -> bool:

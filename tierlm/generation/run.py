@@ -11,6 +11,7 @@ import torch
 
 from tierlm.cache import DynamicCache, StaticCache, bucket_length
 from tierlm.compile import CompileDecision, decide, warn_if_skipped
+from tierlm.generation.bad_words import BadWords
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import (
@@ -298,6 +299,8 @@ class Generation:
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.batch.ids.device)  # may be empty
         b = self.batch.ids.shape[0]
         sampler = Sampler(b, self.model.config.vocab_size, eos, self.batch.ids.device)
+        if self.model.tokenizer is not None:
+            sampler.bad_words = BadWords(self.model.tokenizer, b)
         if any(c.response_format is not None for c in self.row_configs):
             sampler.grammar = GrammarMask(self.model.tokenizer, b, self.model.config.vocab_size, self.eos_ids)
         for row in range(b):

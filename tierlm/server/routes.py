@@ -325,12 +325,16 @@ def _config(
 
 
 def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
-    """vLLM's min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens and
-    allowed_token_ids as generation settings, checked against max_tokens and the vocabulary."""
+    """vLLM's min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
+    bad_words and allowed_token_ids as generation settings, checked against max_tokens and the vocabulary."""
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
         message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
         raise APIError(400, message, "min_tokens")
+    if any(not word.strip() for word in body.bad_words or ()):
+        raise APIError(
+            400, f"bad_words must be words (non-blank strings), got {body.bad_words!r}", "bad_words"
+        )
     allowed = body.allowed_token_ids
     if allowed is not None and not allowed:
         raise APIError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
@@ -340,6 +344,7 @@ def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
         stop_token_ids=_vocabulary_ids(state, "stop_token_ids", body.stop_token_ids or ()),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens is not False,
+        bad_words=tuple(body.bad_words or ()),
         allowed_token_ids=None if allowed is None else _vocabulary_ids(state, "allowed_token_ids", allowed),
     )
 

@@ -20,13 +20,12 @@ MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
 # repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
-# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens and the structured-output fields
-# are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
+# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens, bad_words and the structured-output
+# fields are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
 EXTENSIONS: dict[str, tuple] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
-    "bad_words": ([],),
     "prompt_logprobs": (),
     "logits_processors": (),
     "guided_decoding_backend": (),
@@ -101,6 +100,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: context)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool | None = None  # false: special tokens' text is in the output
+    bad_words: list[Text] | None = None  # words a choice may not write
     # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it),
     # and vLLM's structured_outputs and its older guided_* fields: one of them per request
     response_format: dict[str, Any] | None = None
