@@ -257,14 +257,21 @@ def test_streamed_chat_json_schema_through_the_server(client):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_completions_take_response_format_as_an_extension(client):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"json_object": True, "regex": None}},  # vLLM's form of it
+    ],
+)
+def test_completions_take_response_format_as_an_extension(client, extra):
     answer = client.completions.create(
         model="tiny",
         prompt="A JSON object describing a city:",
         max_tokens=MAX_TOKENS,
         temperature=0.7,
         seed=3,
-        extra_body={"response_format": {"type": "json_object"}},
+        extra_body=extra,
     )
     assert answer.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(answer.choices[0].text), dict)
@@ -375,19 +382,6 @@ def test_vllms_structured_output_fields_constrain_sampled_text(client, fields, h
             (chat.choices[0], chat.choices[0].message.content),
         ):
             assert choice.finish_reason == "stop" and holds(out), (fields, out)
-
-
-def test_structured_outputs_json_object(client):
-    answer = client.completions.create(
-        model="tiny",
-        prompt="A JSON object describing a city:",
-        max_tokens=MAX_TOKENS,
-        temperature=0.7,
-        seed=3,
-        extra_body={"structured_outputs": {"json_object": True, "regex": None}},
-    )
-    assert answer.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(answer.choices[0].text), dict)
 
 
 def test_the_library_takes_the_same_constraints_as_response_format_types(model):
