@@ -72,9 +72,14 @@ def piece(model, token: int) -> str:
 def test_ignore_eos_decodes_past_an_eos_the_model_wants_to_max_tokens(http, model):
     bias = {str(eos(model)): 100}
     ended = complete(http, max_tokens=5, logit_bias=bias)
-    assert (ended["count"], ended["finish_reason"], ended["text"]) == (1, "stop", "")
+    assert (ended["count"], ended["finish_reason"], ended["text"], ended["stop_reason"]) == (
+        1,
+        "stop",
+        "",
+        None,
+    )
     ignored = complete(http, max_tokens=5, logit_bias=bias, ignore_eos=True)
-    assert (ignored["count"], ignored["finish_reason"]) == (5, "length")
+    assert (ignored["count"], ignored["finish_reason"], ignored["stop_reason"]) == (5, "length", None)
     assert ignored["tokens"] == [piece(model, eos(model))] * 5  # EOS sampled five times, no text
     assert ignored["text"] == ""
     ids, text, reason = library(model, max_new_tokens=5, logit_bias={eos(model): 100}, ignore_eos=True)
@@ -96,7 +101,7 @@ def test_a_stop_token_id_ends_the_choice_and_adds_no_text(http, model):
     stop = plain[3]
     k = plain.index(stop)  # the first time the greedy run samples it
     got = complete(http, max_tokens=8, stop_token_ids=[stop])
-    assert (got["count"], got["finish_reason"]) == (k + 1, "stop")
+    assert (got["count"], got["finish_reason"], got["stop_reason"]) == (k + 1, "stop", stop)  # vLLM's
     assert got["tokens"] == [piece(model, t) for t in plain[: k + 1]]
     assert got["text"] == model.tokenizer.decode(plain[:k]) != model.tokenizer.decode(plain[: k + 1])
     assert library(model, max_new_tokens=8, stop_token_ids=(stop,))[1:] == (got["text"], "stop")
@@ -126,7 +131,12 @@ def test_min_tokens_defers_stop_strings_as_vllm_does(http, model):
     at_once = complete(http, max_tokens=8, logit_bias=bias, stop="a")
     assert (at_once["count"], at_once["text"], at_once["finish_reason"]) == (1, "", "stop")
     later = complete(http, max_tokens=8, logit_bias=bias, stop="a", min_tokens=3)
-    assert (later["count"], later["text"], later["finish_reason"]) == (4, "aaa", "stop")
+    assert (later["count"], later["text"], later["finish_reason"], later["stop_reason"]) == (
+        4,
+        "aaa",
+        "stop",
+        "a",
+    )
     assert streamed_text(http, max_tokens=8, logit_bias=bias, stop="a", min_tokens=3) == "aaa"
     _, text, reason = library(
         model, max_new_tokens=8, min_new_tokens=3, logit_bias={forced[0]: 100}, stop=("a",)
@@ -321,3 +331,34 @@ def test_bad_words_are_never_written(http, model):
     fields = dict(max_tokens=6, logit_bias={str(forced): 100}, return_tokens_as_token_ids=True)
     assert complete(http, **fields)["tokens"] == [f"token_id:{forced}"] * 6
     assert f"token_id:{forced}" not in complete(http, **fields, bad_words=["a"])["tokens"]
+
+
+def test_stop_reason_names_the_stop_string_or_token_in_every_answer_form(http, model):
+    """vLLM's stop_reason: the stop string or stop token id a "stop" finish ended on (None for EOS and for
+    "length"), in a chat answer and in the chunk that ends a streamed choice."""
+    forced = model.tokenizer.encode("a", add_special_tokens=False)[0]
+    fields = {"max_tokens": 8, "logit_bias": {str(forced): 100}, "temperature": 0}
+    with http.stream(
+        "POST",
+        COMPLETIONS,
+        json={"model": NAME, "prompt": PROMPT, "stream": True, "stop": ["q", "a"], **fields},
+    ) as response:
+        chunks = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", "a")]
+    chat = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stop_token_ids": [forced],
+        **fields,
+    }
+    choice = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["message"]["content"]) == (
+        "stop",
+        forced,
+        "",
+    )

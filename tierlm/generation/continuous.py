@@ -32,7 +32,7 @@ from tierlm.generation.bad_words import BadWords
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
-from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids, text_tracker
+from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids, stop_reason, text_tracker
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Update:
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
     tokens: int = 0  # the sample's tokens so far
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string a "stop" finish ended on
 
 
 def compiles(model, config: GenerationConfig) -> bool:
@@ -400,8 +401,9 @@ class SlotBatch:
         text = r.tracker.delta(reason is not None)
         if reason is not None:
             self._leave(row)
+        why = stop_reason(r.tracker, r.seq.config, token) if reason == "stop" else None
         return Update(
-            r.seq.key, r.choice, text, token, reason is not None, reason, logprob, prompt_lp, r.tokens
+            r.seq.key, r.choice, text, token, reason is not None, reason, logprob, prompt_lp, r.tokens, why
         )
 
     def _finish(self, row: int, reason: str) -> Update:

@@ -70,6 +70,7 @@ class TextTracker:
     include: bool = False  # the text keeps the stop string it ends with (vLLM's include_stop_str_in_output)
     pushed: int = 0
     cut: int | None = None  # where the text ends once a stop string was found
+    matched: str | None = None  # that stop string
     _hold: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,7 @@ class TextTracker:
         hits = [(i, k) for k, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
         if hits:  # the earliest; at one place, the first in the list
             self.stopped_at, k = min(hits)
+            self.matched = self.stops[k]
             self.cut = self.stopped_at + (len(self.stops[k]) if self.include else 0)
 
     def finish(self) -> None:
@@ -112,6 +114,13 @@ def text_tracker(tokenizer, stops: tuple[str, ...], config: GenerationConfig) ->
         after=config.min_new_tokens,
         include=config.include_stop_str_in_output,
     )
+
+
+def stop_reason(tracker: TextTracker, config: GenerationConfig, token: int) -> int | str | None:
+    """vLLM's stop_reason of a row that ended with finish reason "stop" on `token`: that token where it is
+    one of the row's stop_token_ids, else the stop string its text ended on; None for EOS or a complete
+    response_format document."""
+    return token if token in config.stop_token_ids else tracker.matched
 
 
 class Generation:
@@ -345,6 +354,10 @@ class Generation:
         """Yield (row, text delta, finished, finish_reason) per row and step."""
         while (updates := self.advance()) is not None:
             yield from updates
+
+    def stop_reason(self, row: int) -> int | str | None:
+        """vLLM's stop_reason of a row that ended with finish reason "stop" (`stop_reason()`)."""
+        return stop_reason(self.trackers[row], self.row_configs[row], self.state.tokens[row][-1])
 
     def cancel(self, row: int) -> None:
         """End `row` at the next step boundary (e.g. its client went away)."""

@@ -328,7 +328,13 @@ class Scheduler:
                 )
             if finished:
                 self._record_finish(reason, emitted)
-                r.emit(Event("done", finish_reason=reason, completion_tokens=emitted, index=r.index + choice))
+                why = job.gen.stop_reason(row) if reason == "stop" else None
+                index = r.index + choice
+                r.emit(
+                    Event(
+                        "done", finish_reason=reason, stop_reason=why, completion_tokens=emitted, index=index
+                    )
+                )
         if not job.gen.prefilled and (self._past_deadline() or all(r.cancelled for r in job.requests)):
             self._abandon(job)  # nobody waits for the rest of this prompt
             return False

@@ -118,6 +118,7 @@ class ContinuousScheduler(Scheduler):
                 done = Event(
                     "done",
                     finish_reason=u.finish_reason,
+                    stop_reason=u.stop_reason,
                     completion_tokens=u.tokens,
                     index=r.index + u.choice,
                 )

@@ -28,6 +28,7 @@ class Event:
     kind: str
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string a "stop" finish ended on
     completion_tokens: int = 0
     index: int = 0  # the choice's index in the response
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this event adds, when the request asked

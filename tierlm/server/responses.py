@@ -29,6 +29,7 @@ class Choice:
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     completion_tokens: int = 0
     started: bool = False  # its echo (prompt text and log probabilities) went out
     # a completion's text_offset: characters so far, the tokens counted, how many of them are the echoed
@@ -97,6 +98,7 @@ class Reply:
     def finish(self, event: Event) -> None:
         c = self.state[event.index]
         c.finish_reason, c.completion_tokens = event.finish_reason, event.completion_tokens
+        c.stop_reason = event.stop_reason
         if not c.started and self.echo:  # nothing was generated: the echo still goes out
             self.add(Event("delta", index=event.index))
 
@@ -170,7 +172,7 @@ class Reply:
                 }
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs}
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         tokens = sum(c.completion_tokens for c in self.state)
@@ -276,7 +278,9 @@ async def event_stream(requests: list[Request], reply: Reply) -> AsyncIterator[s
             text, entries = reply.add(Event("delta", index=event.index))
             yield _sse(reply.chunk(text, index=event.index, entries=entries))
         reply.finish(event)
-        yield _sse(reply.chunk(None if reply.chat else "", event.finish_reason, index=event.index))
+        end = reply.chunk(None if reply.chat else "", event.finish_reason, index=event.index)
+        end["choices"][0]["stop_reason"] = event.stop_reason  # vLLM's, in the chunk that ends a choice
+        yield _sse(end)
     else:
         if reply.include_usage:
             yield _sse(reply.usage_chunk())

@@ -376,6 +376,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string a "stop" finish ended on
 
 
 class ChatCompletion(_Answer):
@@ -399,6 +400,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string a "stop" finish ended on
 
 
 class Completion(_Answer):
