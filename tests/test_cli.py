@@ -334,3 +334,23 @@ def test_chat_in_a_terminal_reads_a_message_longer_than_its_line_limit():
         reader.join()
         os.close(fd)
     assert b"exceeds the model's context of 8192" in out, bytes(out[-400:])
+
+
+def test_the_clis_log_lines_go_to_stderr_as_it_is_when_they_are_logged(capsys):
+    """The CLI's handler writes to sys.stderr of the moment: an in-process run (tests run `tierlm serve`'s
+    main) whose captured stream is closed later left server log lines failing with "Logging error"."""
+    import io
+    import logging
+
+    from tierlm.cli.common import show_library_progress
+
+    gone = io.StringIO()
+    real, sys.stderr = sys.stderr, gone
+    try:
+        show_library_progress()
+    finally:
+        sys.stderr = real
+    gone.close()
+    logging.getLogger("tierlm.server").info("a line after that stream closed")
+    err = capsys.readouterr().err
+    assert "tierlm: a line after that stream closed" in err and "Logging error" not in err

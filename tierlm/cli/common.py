@@ -16,7 +16,19 @@ def show_library_progress() -> None:
     """The library's progress messages (e.g. compiling) as `tierlm: ...` lines on stderr."""
     import logging
 
-    handler = logging.StreamHandler(sys.stderr)
+    class CurrentStderr(logging.StreamHandler):
+        """Writes to sys.stderr as it is when a line is logged, not as it was when the CLI started (a
+        later redirect, or an in-process run's captured stream that is closed by then)."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value) -> None:
+            pass
+
+    handler = CurrentStderr()
     handler.setFormatter(logging.Formatter("tierlm: %(message)s"))
     logger = logging.getLogger("tierlm")
     if any(getattr(h, "tierlm_cli", False) for h in logger.handlers):
