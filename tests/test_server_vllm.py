@@ -362,3 +362,22 @@ def test_stop_reason_names_the_stop_string_or_token_in_every_answer_form(http, m
         forced,
         "",
     )
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http, model):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the usage so far
+    (the choice's tokens), the last usage chunk the total; without it, chunks carry "usage": null."""
+
+    def chunks(options: dict) -> list[dict]:
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "stream": True, "stream_options": options}
+        with http.stream("POST", COMPLETIONS, json=body) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        return [json.loads(line) for line in lines if line != "[DONE]"]
+
+    prompt_tokens = len(model.tokenizer.encode(PROMPT))
+    counted = chunks({"include_usage": True, "continuous_usage_stats": True})
+    usage = [c["usage"] for c in counted]
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usage)
+    tokens = [u["completion_tokens"] for u in usage]
+    assert tokens == sorted(tokens) and tokens[-1] == 6 and tokens[0] >= 1
+    assert [c["usage"] for c in chunks({"include_usage": True})][:-1] == [None] * (len(counted) - 1)

@@ -323,7 +323,12 @@ class Scheduler:
             if delta or logprobs or prompt_lp:
                 r.emit(
                     Event(
-                        "delta", delta, index=r.index + choice, logprobs=logprobs, prompt_logprobs=prompt_lp
+                        "delta",
+                        delta,
+                        tokens=emitted,
+                        index=r.index + choice,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_lp,
                     )
                 )
             if finished:

@@ -108,6 +108,7 @@ class ContinuousScheduler(Scheduler):
                     Event(
                         "delta",
                         u.text,
+                        tokens=u.tokens,
                         index=r.index + u.choice,
                         logprobs=logprobs,
                         prompt_logprobs=u.prompt_logprobs,

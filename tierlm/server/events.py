@@ -30,6 +30,7 @@ class Event:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string a "stop" finish ended on
     completion_tokens: int = 0
+    tokens: int = 0  # the choice's tokens so far (a delta's)
     index: int = 0  # the choice's index in the response
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this event adds, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with a choice's first event, when asked

@@ -31,6 +31,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     completion_tokens: int = 0
+    tokens: int = 0  # so far, for a chunk's usage (vLLM's continuous_usage_stats)
     started: bool = False  # its echo (prompt text and log probabilities) went out
     # a completion's text_offset: characters so far, the tokens counted, how many of them are the echoed
     # prompt (its text keeps special tokens, the generated text does not), and the stream decoder counting
@@ -53,6 +54,7 @@ class Reply:
     model: str
     prompt_tokens: int
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: int = 1
@@ -81,6 +83,7 @@ class Reply:
         """Record a delta event on its choice; returns the text and log probability entries it adds
         (with the echoed prompt first, on a choice's first event)."""
         c = self.state[event.index]
+        c.tokens = max(c.tokens, event.tokens)
         text, entries = event.text, list(event.logprobs)
         if not c.started:
             c.started = True
@@ -98,7 +101,7 @@ class Reply:
     def finish(self, event: Event) -> None:
         c = self.state[event.index]
         c.finish_reason, c.completion_tokens = event.finish_reason, event.completion_tokens
-        c.stop_reason = event.stop_reason
+        c.stop_reason, c.tokens = event.stop_reason, event.completion_tokens
         if not c.started and self.echo:  # nothing was generated: the echo still goes out
             self.add(Event("delta", index=event.index))
 
@@ -201,8 +204,8 @@ class Reply:
                 "finish_reason": finish_reason,
             }
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
+        if self.include_usage:  # with continuous_usage, the choice's tokens so far
+            out["usage"] = self.usage(self.state[index].tokens) if self.continuous_usage else None
         return out
 
     def usage_chunk(self) -> dict:

@@ -16,7 +16,7 @@ from tierlm import cpu
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import eos_token_ids
 from tierlm.server.batcher import Scheduler
-from tierlm.server.errors import APIError
+from tierlm.server.errors import APIError, short_repr
 from tierlm.server.events import QueueFull, Request, ShuttingDown
 from tierlm.server.responses import EventStreamResponse, Reply, collect, event_stream
 from tierlm.server.schemas import (
@@ -282,6 +282,7 @@ def _reply(state: ServerState, body: _Common, **shape) -> Reply:
     return Reply(
         model=state.model_name,
         include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
         tokenizer=state.model.tokenizer,
         token_ids=bool(body.return_tokens_as_token_ids),
         skip_special=body.skip_special_tokens is not False,
@@ -332,9 +333,8 @@ def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
         message = f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}"
         raise APIError(400, message, "min_tokens")
     if any(not word.strip() for word in body.bad_words or ()):
-        raise APIError(
-            400, f"bad_words must be words (non-blank strings), got {body.bad_words!r}", "bad_words"
-        )
+        message = f"bad_words must be words (non-blank strings), got {short_repr(body.bad_words)}"
+        raise APIError(400, message, "bad_words")
     allowed = body.allowed_token_ids
     if allowed is not None and not allowed:
         raise APIError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")

@@ -67,6 +67,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Common(BaseModel):
@@ -161,6 +162,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):
