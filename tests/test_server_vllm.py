@@ -182,7 +182,7 @@ def test_include_stop_str_in_output_keeps_what_ended_the_choice(http, model):
 def test_a_stop_string_inside_a_token_cuts_the_text_there():
     """TextTracker alone: the earliest stop string wins (at one place, the first listed), with or without
     itself in the text, and text a token wrote past it is cut."""
-    from tierlm.generation.run import TextTracker
+    from tierlm.generation.text import TextTracker
 
     class Pieces:  # a stream decoder whose tokens are their own text
         def push(self, token):

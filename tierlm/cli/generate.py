@@ -28,7 +28,7 @@ def cmd_generate(args) -> int:
         # the template writes its own special tokens (Gemma's <bos>): as the server does, add none
         prompt = model.tokenizer.encode(text, add_special_tokens=False)
     else:
-        from tierlm.generation.run import encode_prompts
+        from tierlm.generation.prompts import encode_prompts
 
         prompt = encode_prompts(model.tokenizer, prompt)[0]
     check_room(model, len(prompt), config.max_new_tokens)

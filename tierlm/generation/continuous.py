@@ -32,8 +32,10 @@ from tierlm.generation.bad_words import BadWords
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import Sampler, TokenLogprob, left_pad
-from tierlm.generation.run import PromptLogprobs, TextTracker, eos_token_ids, stop_reason, text_tracker
+from tierlm.generation.prompts import PromptLogprobs
+from tierlm.generation.run import eos_token_ids
 from tierlm.generation.slots import RowsView, SlotCache, copy_rows
+from tierlm.generation.text import TextTracker, stop_reason, text_tracker
 
 log = logging.getLogger(__name__)
 GROWS = "a %d-token request grows the cache to %d slots: steps load or build now, running rows wait (--max-model-len)"

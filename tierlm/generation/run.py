@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +22,9 @@ from tierlm.generation.loop import (
     left_pad,
     run_decode,
 )
-from tierlm.generation.sampling import token_logprobs
+from tierlm.generation.prompts import PromptLogprobs, check_ids, check_vocab_settings, encode_prompts
 from tierlm.generation.slots import RowsView
+from tierlm.generation.text import stop_reason, text_tracker
 
 
 def eos_token_ids(model, config) -> tuple[int, ...]:
@@ -57,72 +57,6 @@ class GenerationResult:
     prompt_logprobs: list[list[TokenLogprob | None]] | None = None  # per prompt token; the first is None
 
 
-@dataclass
-class TextTracker:
-    """Incremental text of one row; finds stop strings and holds back text that may start one."""
-
-    decoder: object  # the tokenizer's stream decoder
-    stops: tuple[str, ...]
-    text: str = ""
-    emitted: int = 0
-    stopped_at: int | None = None
-    after: int = 0  # the row's min_new_tokens: stop strings are looked for in the text of later tokens only
-    include: bool = False  # the text keeps the stop string it ends with (vLLM's include_stop_str_in_output)
-    pushed: int = 0
-    cut: int | None = None  # where the text ends once a stop string was found
-    matched: str | None = None  # that stop string
-    _hold: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-
-    def push(self, token: int) -> None:
-        if self.stopped_at is not None:
-            return
-        start = max(0, len(self.text) - self._hold)
-        self.text += self.decoder.push(token)
-        self.pushed += 1
-        if self.pushed <= self.after:  # no stop string ends the text of a row's first `after` tokens
-            return
-        hits = [(i, k) for k, s in enumerate(self.stops) if (i := self.text.find(s, start)) >= 0]
-        if hits:  # the earliest; at one place, the first in the list
-            self.stopped_at, k = min(hits)
-            self.matched = self.stops[k]
-            self.cut = self.stopped_at + (len(self.stops[k]) if self.include else 0)
-
-    def finish(self) -> None:
-        if self.stopped_at is None:
-            self.text += self.decoder.flush()
-
-    @property
-    def final(self) -> str:
-        return self.text if self.cut is None else self.text[: self.cut]
-
-    def delta(self, finished: bool) -> str:
-        """New text safe to show: all of it when finished, else all but what could begin a stop string."""
-        end = len(self.final) if finished or self.stopped_at is not None else len(self.text) - self._hold
-        out = self.final[self.emitted : max(end, self.emitted)]
-        self.emitted += len(out)
-        return out
-
-
-def text_tracker(tokenizer, stops: tuple[str, ...], config: GenerationConfig) -> TextTracker:
-    """A row's TextTracker with its config's stop settings."""
-    return TextTracker(
-        tokenizer.stream_decoder(skip_special_tokens=config.skip_special_tokens),
-        stops,
-        after=config.min_new_tokens,
-        include=config.include_stop_str_in_output,
-    )
-
-
-def stop_reason(tracker: TextTracker, config: GenerationConfig, token: int) -> int | str | None:
-    """vLLM's stop_reason of a row that ended with finish reason "stop" on `token`: that token where it is
-    one of the row's stop_token_ids, else the stop string its text ended on; None for EOS or a complete
-    response_format document."""
-    return token if token in config.stop_token_ids else tracker.matched
-
-
 class Generation:
     """One generate() call over a batch: builds the cache, decides compilation, runs the loop."""
 
@@ -146,8 +80,8 @@ class Generation:
         tok = model.tokenizer
         n = config.n
         prompt_rows = encode_prompts(tok, prompts)
-        _check_ids(prompt_rows, model.config.vocab_size)
-        _check_vocab_settings([config, *(row_configs or [])], model.config.vocab_size)
+        check_ids(prompt_rows, model.config.vocab_size)
+        check_vocab_settings([config, *(row_configs or [])], model.config.vocab_size)
         rows = [r for r in prompt_rows for _ in range(n)]
         self.n, self.prompt_count = n, len(prompt_rows)
         self.row_configs = [c for c in (row_configs or [config] * len(prompt_rows)) for _ in range(n)]
@@ -387,39 +321,6 @@ class Generation:
         return GenerationResult(s.tokens, texts, reasons, stats, logprobs, self.prompt_logprobs)
 
 
-class PromptLogprobs:
-    """Collects, chunk by chunk of a prefill, each prompt token's log probability given those before it."""
-
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, top: int) -> None:
-        self.ids, self.mask, self.top = ids, mask, top
-        self.parts: list[tuple[list, list, list]] = []
-
-    def add(self, logits: torch.Tensor, start: int) -> None:
-        """logits [b, chunk, vocab] of columns start.. predict the tokens one column later."""
-        end = min(start + logits.shape[1], self.ids.shape[1] - 1)
-        if end <= start:
-            return
-        chosen, values, ids = token_logprobs(
-            logits[:, : end - start], self.ids[:, start + 1 : end + 1], self.top
-        )
-        self.parts.append((chosen.tolist(), values.tolist(), ids.tolist()))
-
-    def rows(self, wanted: list[int | None]) -> list[list[TokenLogprob | None]]:
-        out = []
-        width = self.ids.shape[1]
-        for row, n in enumerate(wanted):
-            chosen = [v for part in self.parts for v in part[0][row]]
-            values = [v for part in self.parts for v in part[1][row]]
-            top_ids = [v for part in self.parts for v in part[2][row]]
-            first = width - int(self.mask[row].sum())  # left padding
-            entries: list[TokenLogprob | None] = [None]
-            for col in range(first + 1, width):
-                top = list(zip(top_ids[col - 1][: n or 0], values[col - 1][: n or 0]))
-                entries.append(TokenLogprob(int(self.ids[row, col]), chosen[col - 1], top))
-            out.append(entries if n is not None else None)
-        return out
-
-
 def _out_of_memory(error: RuntimeError) -> bool:
     """torch's out-of-memory error, or an allocator's message for a size it cannot allocate or compute."""
     message = str(error)
@@ -451,77 +352,3 @@ def static_cache_length(config: GenerationConfig, model_config, width: int) -> i
             f"more than max_cache_len={length}"
         )
     return length
-
-
-def encode_prompts(tokenizer, prompts) -> list[list[int]]:
-    """A string, a list of strings, or token ids: a LongTensor of shape [seq] or [batch, seq], a list of
-    ints (one prompt) or a list of lists of ints."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dtype not in (torch.long, torch.int32) or prompts.dim() not in (1, 2):
-            raise ValueError("token-id prompts must be a LongTensor of shape [seq] or [batch, seq]")
-        if prompts.numel() == 0:
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        rows = prompts.reshape(-1, prompts.shape[-1]).tolist()
-    elif isinstance(prompts, str):
-        rows = [_encode(tokenizer, prompts)]
-    elif isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
-        rows = [_encode(tokenizer, p) for p in prompts]
-    elif isinstance(prompts, list) and prompts and all(isinstance(p, list) for p in prompts):
-        rows = [_token_ids(p, r) for r, p in enumerate(prompts)]
-    elif isinstance(prompts, list) and prompts and not any(isinstance(p, (str, list)) for p in prompts):
-        rows = [_token_ids(prompts, 0)]
-    else:
-        raise ValueError(
-            "prompts must be a string, a non-empty list of strings, token ids (a list of ints, or one list "
-            "of ints per prompt) or a LongTensor of token ids"
-        )
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("empty prompt: every prompt needs at least one token")
-    return rows
-
-
-def _token_ids(row: list, r: int) -> list[int]:
-    """A prompt's token ids as ints; anything that is not an integer (1.5, "1", True) is one error (int()
-    would truncate or parse it into some other prompt)."""
-    out = []
-    for i in row:
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            out.append(operator.index(i))
-        except TypeError:
-            raise ValueError(
-                f"prompt {r} has {i!r} ({type(i).__name__}) where a token id (an int) goes"
-            ) from None
-    return out
-
-
-def _check_ids(rows: list[list[int]], vocab: int) -> None:
-    """Token ids in [0, vocab), else one ValueError naming the first that is not (the embedding would
-    raise an IndexError from inside torch)."""
-    for r, row in enumerate(rows):
-        bad = next((i for i in row if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt {r} has token id {bad}; this model's ids are in [0, {vocab})")
-
-
-def _check_vocab_settings(configs, vocab: int) -> None:
-    """Settings that name token ids or count them fit the vocabulary (else errors from inside torch)."""
-    for c in configs:
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(c, name) or 0) > vocab:
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
-        named = {"logit_bias": [i for i, _ in c.logit_bias], "stop_token_ids": c.stop_token_ids}
-        named["allowed_token_ids"] = c.allowed_token_ids or ()
-        for name, ids in named.items():
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name} names token id {bad}; this model's ids are in [0, {vocab})")
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    if tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; this model has none (pass token ids)")
-    if not text:
-        raise ValueError("empty prompt: every prompt needs at least one token")
-    return tokenizer.encode(text)
