@@ -103,6 +103,17 @@ class StaticCache:
     ):
         return self.views[layer].update(layer, k, v, slots, length)
 
+    def reorder(self, rows: torch.Tensor, length: int) -> None:
+        """Row r takes the keys and values of row rows[r] (beam search: a beam continues another), in the first
+        `length` slots (a ring's every slot). Validity stays: the rows that trade are one prompt's beams."""
+        moved = (rows != torch.arange(self.batch, device=rows.device)).nonzero().squeeze(1)
+        if moved.numel() == 0:
+            return
+        sources = rows[moved]
+        for t in (*self.keys, *self.values):
+            written = t[:, :, :length]
+            written.index_copy_(0, moved, written.index_select(0, sources))
+
 
 class RingLayerView:
     """A sliding layer's K/V: a static ring of `ring` slots, column c in slot c % ring (index_copy_).
@@ -184,6 +195,11 @@ class DynamicCache:
     def sliding_keys(self, slots: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliding layers keep every key here; the window is the mask's (after mark_valid)."""
         return torch.arange(self.valid.shape[1], device=self.valid.device), self.valid
+
+    def reorder(self, rows: torch.Tensor, _length: int) -> None:
+        """Row r takes the keys and values of row rows[r] (StaticCache.reorder)."""
+        self.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
+        self.values = [None if v is None else v.index_select(0, rows) for v in self.values]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, _length=None):
         if self.keys[layer] is not None:

@@ -92,6 +92,10 @@ def _add_generate(sub) -> None:
     gen.add_argument("--system", help="system prompt (implies --chat)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--explain", action="store_true", help="print the compile decision and its reasons")
+    gen.add_argument(
+        "--num-beams", type=int, help="beam search with this many beams (prints the best beam when it ends)"
+    )
+    gen.add_argument("--length-penalty", type=float, help="beam search: divide scores by length ** this")
 
 
 def _add_chat(sub) -> None:

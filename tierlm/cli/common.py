@@ -122,6 +122,8 @@ def generation_config(args):
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        num_beams=getattr(args, "num_beams", None),
+        length_penalty=getattr(args, "length_penalty", None),
         cache_implementation=args.cache,
         compile_config=compile_config(args),
         disable_compile=args.no_compile,

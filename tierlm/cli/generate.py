@@ -38,10 +38,19 @@ def cmd_generate(args) -> int:
 
         status(f"tierlm: cpu: {cpu.detect().describe()}")
         status(f"tierlm: {gen.decision.explain()}")  # a package step said which one as it loaded
-    for _row, delta, _finished, _reason in gen.stream():
+    if config.num_beams > 1:  # the best beam is known at the end: printed then
+        import torch
+
+        with torch.inference_mode():
+            for _ in gen.events():
+                pass
         if not args.json:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+            sys.stdout.write(gen.result().texts[0])
+    else:
+        for _row, delta, _finished, _reason in gen.stream():
+            if not args.json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
     result = gen.result()
     if args.json:
         print(json.dumps(result_json(result)))

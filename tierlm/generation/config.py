@@ -103,6 +103,21 @@ def _suggest(name: str, choices: tuple[str, ...] | list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# settings beam search does not take (it ranks raw log probabilities, greedily)
+BEAM_EXCLUDES = (
+    "do_sample",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "logprobs",
+    "stop",
+    "bad_words",
+    "response_format",
+)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How generate() decodes: lengths, sampling, stopping, cache and compilation."""
@@ -119,7 +134,10 @@ class GenerationConfig:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
     allowed_token_ids: tuple[int, ...] | None = None  # sample only these (vLLM's); None: any token
-    n: int = 1  # samples per prompt, sharing one prefill
+    n: int = 1  # samples per prompt, sharing one prefill; with num_beams > 1, the best n beams returned
+    num_beams: int = 1  # > 1: beam search, as transformers' (generation/beam.py); 1: greedy or sampling
+    length_penalty: float = 1.0  # beam search: a finished beam scores sum of log probs / new tokens ** this
+    early_stopping: bool | str = False  # beam search: True, False (a heuristic) or "never", as transformers'
     logprobs: int | None = None  # per generated token: its log probability and the top-N (raw logits)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
     seed: int | None = None
@@ -144,6 +162,7 @@ class GenerationConfig:
         self._validate_stopping()
         self._set("response_format", parse_response_format(self.response_format))
         self._validate_cache_and_compile()
+        self._validate_beams()
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalizing in __post_init__ of a frozen dataclass
@@ -212,6 +231,26 @@ class GenerationConfig:
                 f"compile_config must be a CompileConfig or None, got {_describe(self.compile_config)}"
             )
         _check_bool("disable_compile", self.disable_compile)
+
+    def _validate_beams(self) -> None:
+        _check_int("num_beams", self.num_beams, 1)
+        lp = self.length_penalty
+        self._set("length_penalty", _check_float("length_penalty", lp, "(of any sign)", True))
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {_describe(self.early_stopping)}"
+            )
+        if self.num_beams == 1:
+            return
+        if self.n > self.num_beams:
+            raise ValueError(f"n (the beams returned) must be <= num_beams ({self.num_beams}), got {self.n}")
+        default = GenerationConfig.__dataclass_fields__
+        others = [name for name in BEAM_EXCLUDES if getattr(self, name) != default[name].default]
+        if others:
+            raise ValueError(
+                f"num_beams > 1 (beam search) does not combine with {', '.join(others)}: beams rank the "
+                "model's own log probabilities, greedily"
+            )
 
     @property
     def greedy(self) -> bool:

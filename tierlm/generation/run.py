@@ -11,6 +11,7 @@ import torch
 from tierlm.cache import DynamicCache, StaticCache, bucket_length
 from tierlm.compile import CompileDecision, decide, warn_if_skipped
 from tierlm.generation.bad_words import BadWords
+from tierlm.generation.beam import BeamSearch, run_beams
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.grammar import GrammarMask
 from tierlm.generation.loop import (
@@ -39,7 +40,7 @@ class GenerationStats:
     new_tokens: int
     prefill_seconds: float
     decode_seconds: float
-    decode_tokens_per_s: float  # all rows together
+    decode_tokens_per_s: float  # all rows together (with beam search: every beam's token of every step)
     batch_size: int
     cache: str
     compile: CompileDecision
@@ -55,6 +56,7 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: list[list[TokenLogprob]] | None = None  # per generated token, when config.logprobs is set
     prompt_logprobs: list[list[TokenLogprob | None]] | None = None  # per prompt token; the first is None
+    scores: list[float] | None = None  # beam search: each sequence's score (transformers' sequences_scores)
 
 
 class Generation:
@@ -71,14 +73,17 @@ class Generation:
         row_configs: list[GenerationConfig] | None = None,
     ) -> None:
         """Rows share `config`, except optional per-row max_new_tokens (<= config's), stop strings and
-        sampling settings (`row_configs`, one per prompt). With config.n > 1 each prompt gets n rows.
+        sampling settings (`row_configs`, one per prompt). With config.n > 1 each prompt gets n rows; with
+        config.num_beams > 1, num_beams rows (its beams), and the result the best n of them.
 
         own_cache: a static cache of its own rather than the model's reusable one of this shape, for a
         generation that runs beside another of the same shape; it cannot use the model's compiled step.
         """
         self.model, self.config = model, config
         tok = model.tokenizer
-        n = config.n
+        n = config.num_beams if config.num_beams > 1 else config.n  # rows per prompt
+        if config.num_beams > 1 and row_configs is not None:
+            raise ValueError("beam search runs one GenerationConfig for all its prompts (no row_configs)")
         prompt_rows = encode_prompts(tok, prompts)
         check_ids(prompt_rows, model.config.vocab_size)
         check_vocab_settings([config, *(row_configs or [])], model.config.vocab_size)
@@ -103,6 +108,10 @@ class Generation:
         self._units: Iterator[list[StepEvent]] | None = None
         self.state = LoopState(limits=list(row_max_new_tokens or [config.max_new_tokens] * len(rows)))
         self.prompt_logprobs: list[list[TokenLogprob | None]] | None = None
+        self.search = None
+        if config.num_beams > 1:
+            ends = () if config.ignore_eos else tuple(dict.fromkeys(self.eos_ids + config.stop_token_ids))
+            self.search = BeamSearch(len(prompt_rows), config, ends, model.device)
         stops = row_stops or [config.stop] * len(rows)
         self.trackers = None
         if tok is not None:
@@ -220,8 +229,21 @@ class Generation:
             def should_stop(row: int) -> bool:
                 return self.trackers[row].stopped_at is not None
 
+        if self.search is not None:
+            loop = run_beams(self._prefill(), self.step, self.batch, self.search, self.cache, self.state)
+        else:
+            loop = self._sampled(should_stop)
+        while True:  # each unit of work (a prefill chunk, a decode step) holds the model's cache
+            with self.model.work_lock:
+                self._check_holder()
+                events = next(loop, None)
+            if events is None:
+                return
+            yield events
+
+    def _sampled(self, should_stop) -> Iterator[list[StepEvent]]:
         sampler = self._sampler()
-        loop = run_decode(
+        return run_decode(
             self._prefill(),
             self.step,
             self.batch,
@@ -230,13 +252,6 @@ class Generation:
             self.state,
             self._tracked(should_stop, sampler),
         )
-        while True:  # each unit of work (a prefill chunk, a decode step) holds the model's cache
-            with self.model.work_lock:
-                self._check_holder()
-                events = next(loop, None)
-            if events is None:
-                return
-            yield events
 
     def _sampler(self) -> Sampler:
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.batch.ids.device)  # may be empty
@@ -269,6 +284,11 @@ class Generation:
     def advance(self) -> list[tuple[int, str, bool, str | None]] | None:
         """Run one unit of work (a prefill chunk or a decode step) and return its (row, text delta, finished,
         finish_reason) updates, [] for a prefill chunk; None once the generation is over."""
+        if self.search is not None:
+            raise ValueError(
+                "beam search (num_beams > 1) cannot stream: its best sequences are known only at its end; "
+                "use generate()"
+            )
         if self.trackers is None:
             raise ValueError("streaming text needs a tokenizer; this model has none")
         if self._units is None:
@@ -298,6 +318,8 @@ class Generation:
         self.state.cancelled.add(row)
 
     def result(self) -> GenerationResult:
+        if self.search is not None:
+            return self._beam_result()
         texts = []
         if self.trackers is not None:
             for t in self.trackers:
@@ -319,6 +341,33 @@ class Generation:
         logprobs = s.logprobs if any(c.logprobs is not None for c in self.row_configs) else None
         reasons = [r or "length" for r in s.finish_reasons]
         return GenerationResult(s.tokens, texts, reasons, stats, logprobs, self.prompt_logprobs)
+
+    def _beam_result(self) -> GenerationResult:
+        """Each prompt's best config.n finished beams, best first, with their scores."""
+        k, n, tok = self.n, self.config.n, self.model.tokenizer
+        hyps = [h for best in self.search.best(n) for h in best]
+        texts = []
+        for h in hyps if tok is not None else ():
+            tracker = text_tracker(tok, (), self.config)
+            for token in h.tokens[:-1] if h.ended and not tracker.include else h.tokens:
+                tracker.push(token)  # an ending token adds no text, as in a sampled row
+            tracker.finish()
+            texts.append(tracker.final)
+        s, rows = self.state, self.batch.ids.shape[0]
+        stats = GenerationStats(
+            prompt_tokens=int(self.batch.mask[::k].sum()),
+            new_tokens=sum(len(h.tokens) for h in hyps),
+            prefill_seconds=s.prefill_seconds,
+            decode_seconds=s.decode_seconds,
+            decode_tokens_per_s=s.decode_steps * rows / s.decode_seconds if s.decode_seconds > 0 else 0.0,
+            batch_size=rows,
+            cache=self.cache.kind,
+            compile=self.decision,
+        )
+        prompt_lp = None if self.prompt_logprobs is None else _repeat(self.prompt_logprobs[::k], n)
+        reasons = ["stop" if h.ended else "length" for h in hyps]
+        tokens, scores = [h.tokens for h in hyps], [h.score for h in hyps]
+        return GenerationResult(tokens, texts, reasons, stats, None, prompt_lp, scores)
 
 
 def _out_of_memory(error: RuntimeError) -> bool:
