@@ -240,9 +240,15 @@ def test_settings_beam_search_refuses(overrides, words):
         GenerationConfig(num_beams=3, **overrides)
 
 
-def test_a_beam_search_does_not_stream(tiny):
+def test_a_streamed_beam_search_sends_its_beams_when_it_ends(default_fp32):
+    prompt = "The capital of France is"
+    best = default_fp32.generate(prompt, max_new_tokens=10, num_beams=3, n=2)
+    updates = list(default_fp32.stream_batch(prompt, max_new_tokens=10, num_beams=3, n=2))
+    assert updates == [(i, t, True, r) for i, (t, r) in enumerate(zip(best.texts, best.finish_reasons))]
+    assert "".join(default_fp32.stream(prompt, max_new_tokens=10, num_beams=3)) == best.texts[0]
+
+
+def test_beam_search_takes_one_config(tiny):
     _path, model, _hf = tiny["llama"]
-    with pytest.raises(ValueError, match="cannot stream"):
-        list(model.stream_batch([[5, 17]], max_new_tokens=4, num_beams=2))
     with pytest.raises(ValueError, match="no row_configs"):
         model.start([[5, 17]], GenerationConfig(num_beams=2), row_configs=[GenerationConfig()])

@@ -381,3 +381,76 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http, model
     tokens = [u["completion_tokens"] for u in usage]
     assert tokens == sorted(tokens) and tokens[-1] == 6 and tokens[0] >= 1
     assert [c["usage"] for c in chunks({"include_usage": True})][:-1] == [None] * (len(counted) - 1)
+
+
+def beams_reference(model, n: int, **settings):
+    """The library's n best beams of PROMPT."""
+    return model.generate(PROMPT, GenerationConfig(num_beams=n, n=n, **settings))
+
+
+def test_use_beam_search_answers_the_librarys_n_best_beams(http, model):
+    """vLLM's use_beam_search: n beams, the n best back in order, with length_penalty, a stop token that
+    ends some of them (its stop_reason), and the sampling settings not applied (beams are greedy)."""
+    stop = beams_reference(model, 3, max_new_tokens=8).token_ids[0][2]  # ends some beams
+    ref = beams_reference(model, 3, max_new_tokens=8, length_penalty=0.5, stop_token_ids=(stop,))
+    texts, reasons, last = ref.texts, ref.finish_reasons, [t[-1] for t in ref.token_ids]
+    assert "stop" in reasons
+    body = dict(model=NAME, prompt=PROMPT, max_tokens=8, n=3, use_beam_search=True, length_penalty=0.5)
+    body |= dict(stop_token_ids=[stop], temperature=1.0, top_p=0.5)
+    reply = http.post(COMPLETIONS, json=body).json()
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == texts
+    assert [c["finish_reason"] for c in choices] == reasons
+    assert [c["stop_reason"] for c in choices] == [t if w == "stop" else None for t, w in zip(last, reasons)]
+    assert reply["usage"]["completion_tokens"] == sum(len(t) for t in ref.token_ids)
+
+
+def test_a_streamed_beam_search_chat_sends_each_beam_when_it_ends(http, model):
+    messages = [{"role": "user", "content": "Say something."}]
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    ref = model.generate([ids], num_beams=2, n=2, max_new_tokens=6)
+    body = dict(model=NAME, messages=messages, max_tokens=6, n=2, use_beam_search=True, stream=True)
+    parts: dict[int, str] = {}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts[choice["index"]] = parts.get(choice["index"], "") + (
+                        choice["delta"].get("content") or ""
+                    )
+    assert [parts[0], parts[1]] == ref.texts
+
+
+def test_a_beam_search_runs_beside_other_requests(http, model):
+    """A beam search and a sampled request in flight together each get their solo answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = beams_reference(model, 4, max_new_tokens=24).texts
+    _, solo, _ = library(model, max_new_tokens=24, do_sample=True, seed=5)
+    beam_body = dict(model=NAME, prompt=PROMPT, max_tokens=24, n=4, use_beam_search=True)
+    sample_body = dict(model=NAME, prompt=PROMPT, max_tokens=24, seed=5)
+    with ThreadPoolExecutor(2) as pool:
+        beams = pool.submit(http.post, COMPLETIONS, json=beam_body)
+        sampled = pool.submit(http.post, COMPLETIONS, json=sample_body)
+        beams, sampled = beams.result().json(), sampled.result().json()
+    assert [c["text"] for c in sorted(beams["choices"], key=lambda c: c["index"])] == texts
+    assert sampled["choices"][0]["text"] == solo
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(use_beam_search=True, n=2, stop=["x"]), "stop"),
+        (dict(use_beam_search=True, n=2, logprobs=1), None),
+        (dict(use_beam_search=True, n=2, presence_penalty=1.0), None),
+        (dict(length_penalty=2.0), "length_penalty"),
+    ],
+)
+def test_what_a_beam_search_does_not_take_is_a_400(http, fields, name):
+    response = http.post(COMPLETIONS, json=dict(model=NAME, prompt=PROMPT, max_tokens=4, **fields))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name
+    assert ("beam" in error["message"]) or name == "length_penalty"

@@ -38,19 +38,10 @@ def cmd_generate(args) -> int:
 
         status(f"tierlm: cpu: {cpu.detect().describe()}")
         status(f"tierlm: {gen.decision.explain()}")  # a package step said which one as it loaded
-    if config.num_beams > 1:  # the best beam is known at the end: printed then
-        import torch
-
-        with torch.inference_mode():
-            for _ in gen.events():
-                pass
+    for _row, delta, _finished, _reason in gen.stream():  # a beam search's best beam comes at its end
         if not args.json:
-            sys.stdout.write(gen.result().texts[0])
-    else:
-        for _row, delta, _finished, _reason in gen.stream():
-            if not args.json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+            sys.stdout.write(delta)
+            sys.stdout.flush()
     result = gen.result()
     if args.json:
         print(json.dumps(result_json(result)))

@@ -108,7 +108,7 @@ class Generation:
         self._units: Iterator[list[StepEvent]] | None = None
         self.state = LoopState(limits=list(row_max_new_tokens or [config.max_new_tokens] * len(rows)))
         self.prompt_logprobs: list[list[TokenLogprob | None]] | None = None
-        self.search = None
+        self.search, self._final = None, None
         if config.num_beams > 1:
             ends = () if config.ignore_eos else tuple(dict.fromkeys(self.eos_ids + config.stop_token_ids))
             self.search = BeamSearch(len(prompt_rows), config, ends, model.device)
@@ -284,13 +284,10 @@ class Generation:
     def advance(self) -> list[tuple[int, str, bool, str | None]] | None:
         """Run one unit of work (a prefill chunk or a decode step) and return its (row, text delta, finished,
         finish_reason) updates, [] for a prefill chunk; None once the generation is over."""
-        if self.search is not None:
-            raise ValueError(
-                "beam search (num_beams > 1) cannot stream: its best sequences are known only at its end; "
-                "use generate()"
-            )
         if self.trackers is None:
             raise ValueError("streaming text needs a tokenizer; this model has none")
+        if self.search is not None:
+            return self._beam_advance()
         if self._units is None:
             self._units = self.events()
         with torch.inference_mode():  # entered per unit: generations may be advanced in turns
@@ -304,6 +301,22 @@ class Generation:
             updates.append((e.row, self.trackers[e.row].delta(e.finished), e.finished, e.finish_reason))
         return updates
 
+    def _beam_advance(self) -> list[tuple[int, str, bool, str | None]] | None:
+        """A beam search's units give [] until it ends; then one update per returned beam (row i: the i-th
+        best) with its whole text, and `state` holds their tokens."""
+        if self._final is not None:
+            return None
+        if self._units is None:
+            self._units = self.events()
+        with torch.inference_mode():
+            if next(self._units, None) is not None:
+                return []
+        result = self.result()
+        self.state.tokens, self.state.finish_reasons = result.token_ids, result.finish_reasons
+        return [
+            (row, text, True, why) for row, (text, why) in enumerate(zip(result.texts, result.finish_reasons))
+        ]
+
     def stream(self) -> Iterator[tuple[int, str, bool, str | None]]:
         """Yield (row, text delta, finished, finish_reason) per row and step."""
         while (updates := self.advance()) is not None:
@@ -311,6 +324,9 @@ class Generation:
 
     def stop_reason(self, row: int) -> int | str | None:
         """vLLM's stop_reason of a row that ended with finish reason "stop" (`stop_reason()`)."""
+        if self.search is not None:  # a returned beam: no stop strings
+            token = self.state.tokens[row][-1]
+            return token if token in self.config.stop_token_ids else None
         return stop_reason(self.trackers[row], self.row_configs[row], self.state.tokens[row][-1])
 
     def cancel(self, row: int) -> None:
@@ -319,7 +335,8 @@ class Generation:
 
     def result(self) -> GenerationResult:
         if self.search is not None:
-            return self._beam_result()
+            self._final = self._final or self._beam_result()
+            return self._final
         texts = []
         if self.trackers is not None:
             for t in self.trackers:

@@ -36,9 +36,9 @@ class Job:
     requests: list[Request]
     owners: list[tuple[Request, int] | None]  # per row: its request and choice (None: a padding row)
     rows: list[list[int]]
-    limits: list[int]
-    stops: list[tuple[str, ...]]
-    row_configs: list[GenerationConfig]
+    limits: list[int] | None  # None: the config's max_new_tokens for every row (a beam search)
+    stops: list[tuple[str, ...]] | None
+    row_configs: list[GenerationConfig] | None
     config: GenerationConfig
     cache_shape: tuple[int, int] | None  # (rows, slots) of the static cache it takes; None if dynamic
     compiles: bool  # may run the compiled decode step, which only the model's own cache of a shape has
@@ -273,6 +273,8 @@ class Scheduler:
 
     def _plan(self, batch: list[Request]) -> Job:
         """The rows, limits and config of a batch, and the static cache shape it will take."""
+        if batch[0].config.num_beams > 1:
+            return self._plan_beams(batch[0])
         config = self.base_config.replace(max_new_tokens=max(r.max_tokens for r in batch), stop=(), n=1)
         owners = [(r, c) for r in batch for c in range(r.n)]
         rows = [r.prompt_ids for r, _ in owners]
@@ -298,6 +300,23 @@ class Scheduler:
         shape = (len(rows), length) if length is not None else None
         padded = owners + [None] * (len(rows) - len(owners))
         return Job(batch, padded, rows, limits, stops, row_configs, config, shape, compiles)
+
+    def _plan_beams(self, r: Request) -> Job:
+        """A beam search's job: one prompt, its beams the rows (never padded), its n best the choices."""
+        config = r.config
+        compiles = decide(
+            self.model.device_map,
+            config.cache_implementation,
+            config,
+            uncompilable=self.model.uncompilable_reasons(),
+            device=str(self.model.device),
+        ).compile
+        if compiles and self.max_model_len is not None and config.cache_implementation != "dynamic":
+            config = config.replace(max_cache_len=self.max_model_len)
+        length = static_cache_length(config, self.model.config, len(r.prompt_ids))
+        shape = (config.num_beams, length) if length is not None else None
+        owners = [(r, c) for c in range(r.n)]
+        return Job([r], owners, [r.prompt_ids], None, None, None, config, shape, compiles)
 
     def _advance(self, job: Job) -> bool:
         """One unit of the job's work, its deltas sent to the clients; False once the job is over."""
@@ -340,8 +359,11 @@ class Scheduler:
                         "done", finish_reason=reason, stop_reason=why, completion_tokens=emitted, index=index
                     )
                 )
-        if not job.gen.prefilled and (self._past_deadline() or all(r.cancelled for r in job.requests)):
-            self._abandon(job)  # nobody waits for the rest of this prompt
+        beams = job.gen.search is not None  # its choices come at its end: nothing to end one by one
+        if (beams or not job.gen.prefilled) and (
+            self._past_deadline() or all(r.cancelled for r in job.requests)
+        ):
+            self._abandon(job)  # nobody waits for the rest of this prompt (or of this search)
             return False
         return True
 
@@ -389,7 +411,9 @@ class Scheduler:
         head = self._pending[0]
         batch, rows = [head], head.n  # each row its own sampling settings: any requests may share a batch
         width, longest = len(head.prompt_ids), head.max_tokens
-        for r in self._pending[1:]:
+        for r in self._pending[1:] if head.config.num_beams == 1 else ():  # a beam search runs alone
+            if r.config.num_beams > 1:
+                continue
             if rows + r.n > self.max_batch_size:
                 break
             w, n = max(width, len(r.prompt_ids)), max(longest, r.max_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tierlm.generation.continuous import Sequence, SlotBatch, Update
-from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler, logger
+from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Job, Request, Scheduler, logger
 
 # The continuous batch's counters /stats reports (SlotBatch.stats).
 BATCH_STATS = (
@@ -35,6 +35,7 @@ class ContinuousScheduler(Scheduler):
         self._stats.update(dict.fromkeys(BATCH_STATS, 0))  # /stats has every key before the first request
         self.default_max_tokens = default_max_tokens
         self._batch: SlotBatch | None = None
+        self._beams: list[Job] = []  # beam searches, each a generation of its own beside the batch
 
     def start(self) -> None:
         if self._working is None and not self._stopped and self._batch is None:
@@ -54,8 +55,12 @@ class ContinuousScheduler(Scheduler):
 
     def _work(self) -> None:
         batch, self._batch = self._batch or self._new_batch(), None  # a failed step's batch is not kept
-        while batch.busy or self._wait_for_pending():
+        while batch.busy or self._beams or self._wait_for_pending():
             self._join(batch)
+            for job in list(self._beams):  # one unit of each beam search per step of the batch
+                if not self._advance(job):
+                    self._beams.remove(job)
+                    self._end(job)
             if not batch.busy:
                 continue
             try:
@@ -86,8 +91,11 @@ class ContinuousScheduler(Scheduler):
         """Move queued requests into free rows, oldest first, while their n choices fit."""
         with self._cond:
             self._fail_pending_past_deadline()
-            while self._pending and batch.fits(self._pending[0].n):
+            while self._pending and (self._pending[0].config.num_beams > 1 or batch.fits(self._pending[0].n)):
                 r = self._pending.pop(0)
+                if r.config.num_beams > 1:
+                    self._start_beams(r)
+                    continue
                 try:
                     batch.join(Sequence(r, r.prompt_ids, r.config, r.stops))
                 except Exception as err:
@@ -97,6 +105,20 @@ class ContinuousScheduler(Scheduler):
                 self._stats["batches"] += 1 if not self._running[:-1] else 0
                 busy = sum(row is not None for row in batch.rows)  # a finished choice's row is free again
                 self._stats["max_batch_size_seen"] = max(self._stats["max_batch_size_seen"], busy)
+
+    def _start_beams(self, r: Request) -> None:
+        """A beam search runs beside the batch, eagerly, on a cache of its own (the batch's compiled steps
+        are bound to the batch's cache and rows)."""
+        r.config = r.config.replace(disable_compile=True)
+        try:
+            job = self._plan([r])
+            job.own_cache = True
+            job.gen = self.model.start(job.rows, job.config, own_cache=True)
+        except Exception as err:
+            self._fail([r], err)
+            return
+        self._running.append(r)
+        self._beams.append(job)
 
     def _dispatch(self, updates: list[Update]) -> None:
         for u in updates:

@@ -314,6 +314,7 @@ def _config(
         stop=(),
         **_vllm_settings(state, body, max_tokens),
     )
+    settings.update(_beam_settings(body))  # beams replace the sampling settings
     base = state.scheduler.base_config
     try:
         config = base.replace(**settings)
@@ -347,6 +348,22 @@ def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
         bad_words=tuple(body.bad_words or ()),
         allowed_token_ids=None if allowed is None else _vocabulary_ids(state, "allowed_token_ids", allowed),
     )
+
+
+def _beam_settings(body: _Common) -> dict:
+    """vLLM's use_beam_search: n beams, the n best returned; their search is greedy, so the sampling
+    settings do not apply (as vLLM's beam search ignores top_p and top_k), and the settings it cannot take
+    are a 400 (`GenerationConfig`)."""
+    penalty = body.length_penalty
+    if not body.use_beam_search:
+        if penalty is not None and penalty != 1:
+            raise APIError(400, f"length_penalty needs use_beam_search, got {penalty}", "length_penalty")
+        return {}
+    if body.stop:
+        raise APIError(400, "stop strings do not combine with use_beam_search", "stop")
+    n = body.n or 1
+    beams = dict(num_beams=n, length_penalty=1.0 if penalty is None else float(penalty))
+    return dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, **beams)
 
 
 def _vocabulary_ids(state: ServerState, name: str, ids: list[int]) -> tuple[int, ...]:

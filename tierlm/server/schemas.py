@@ -20,11 +20,9 @@ MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
 # repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
-# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens, bad_words and the structured-output
-# fields are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
+# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens, bad_words, use_beam_search,
+# length_penalty and the structured-output fields are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
 EXTENSIONS: dict[str, tuple] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (),
     "logits_processors": (),
@@ -102,6 +100,10 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool | None = None  # false: special tokens' text is in the output
     bad_words: list[Text] | None = None  # words a choice may not write
+    use_beam_search: bool | None = None  # n beams, the n best returned (transformers' beam search)
+    length_penalty: float | None = (
+        None  # with use_beam_search: a beam scores its log probs / new tokens ** this
+    )
     # structured output: OpenAI's field on chat, the same as an extension on completions (as vLLM has it),
     # and vLLM's structured_outputs and its older guided_* fields: one of them per request
     response_format: dict[str, Any] | None = None
