@@ -311,6 +311,45 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
+RAG = (  # a template that reads vLLM's documents, as Command-R's and Granite's do
+    "{% for d in documents or [] %}{{ '<doc ' + d['title'] + '>' + d['text'] + '</doc>\\n' }}{% endfor %}"
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def test_a_request_brings_its_chat_template_and_documents(model):
+    """vLLM's chat_template (where the server trusts requests' templates, --trust-request-chat-template)
+    and documents: /tokenize and a chat render them as the library does; untrusted, the template is a 400,
+    and neither is a completion's field."""
+    messages, docs = [{"role": "user", "content": "hi"}], [{"title": "T", "text": "tea is hot"}]
+    tok = model.tokenizer
+    text = tok.apply_chat_template(messages, chat_template=RAG, documents=docs)
+    assert text == "<doc T>tea is hot</doc>\nuser: hi\nassistant: "
+    expected = tok.encode(text, add_special_tokens=False)
+    fields = {"messages": messages, "chat_template": RAG, "documents": docs}
+    body = {"model": NAME, "max_tokens": 1, **fields}
+    with serve(model, trust_request_chat_template=True) as live:
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as http:
+            assert http.post("/tokenize", json=fields).json()["tokens"] == expected
+            reply = http.post("/v1/chat/completions", json=body).json()
+            assert reply["usage"]["prompt_tokens"] == len(expected)
+            plain = http.post("/tokenize", json={**fields, "documents": None}).json()["tokens"]
+            assert plain == tok.encode("user: hi\nassistant: ", add_special_tokens=False)
+    with serve(model) as live:
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as http:
+            refused = http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+            assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+            own = {"model": NAME, "max_tokens": 1, "messages": messages, "documents": docs}
+            served = http.post("/v1/chat/completions", json=own)  # the model's template ignores documents
+            assert served.status_code == 200, served.text
+            plain = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+            assert served.json()["usage"]["prompt_tokens"] == len(plain)
+            completion = http.post(COMPLETIONS, json={"model": NAME, "prompt": "hi", "documents": docs})
+            assert completion.status_code == 400 and completion.json()["error"]["param"] == "documents"
+
+
 def test_bad_words_are_never_written(http, model):
     """vLLM's bad_words: a two-token word the greedy run writes is cut off at its second token, the same as
     the library's run, and a one-token word the model is pushed to write never comes."""

@@ -140,6 +140,11 @@ def _add_serve(sub) -> None:
     )
     serve.add_argument("--api-key")
     serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own chat_template (vLLM's flag; else a 400)",
+    )
+    serve.add_argument(
         "--replicas", type=int, help="serve through Ray Serve with N model replicas (needs tierlm[ray])"
     )
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance)")

@@ -68,6 +68,7 @@ def cmd_serve(args) -> int:
         batching=args.batching,
         model_name=getattr(args, "served_model_name", None),
         max_model_len=args.max_model_len,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return 0
 
@@ -131,6 +132,7 @@ def serve_replicas(args) -> int:
             "batching": args.batching,
             "model_name": getattr(args, "served_model_name", None),
             "max_model_len": args.max_model_len,
+            "trust_request_chat_template": args.trust_request_chat_template,
         },
         cpus=args.replica_cpus,
         gpus=args.replica_gpus,

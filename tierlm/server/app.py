@@ -48,6 +48,7 @@ def build_app(
     default_max_tokens: int = 1024,
     batching: str = "continuous",
     max_model_len: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
@@ -57,6 +58,7 @@ def build_app(
     request that arrives while every running batch decodes waits for one to end).
     `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
     compiled steps, the cache and its steps are sized for it as the server starts.
+    `trust_request_chat_template` (vLLM's): a chat request may bring its own `chat_template` (else a 400).
     The worker decodes on a thread of its own; the calling thread, which loaded `model`, has its OpenMP
     team freed (`release_openmp_team`): torch work on two threads halves a CPU decode's speed
     (tierlm.server.compute). Parallel torch ops it runs later make a new team, which slows the worker's.
@@ -74,7 +76,7 @@ def build_app(
     release_openmp_team()  # this thread loaded the model (and prepared packaged steps); the worker decodes
     name = model_name or default_model_name(model)
     app = FastAPI(title="tierlm", lifespan=_lifespan(scheduler, name), docs_url=None, redoc_url=None)
-    app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens)
+    app.state.tierlm = ServerState(model, scheduler, name, default_max_tokens, trust_request_chat_template)
     app.include_router(router)
     app.openapi = lambda: app.openapi_schema or _openapi_schema(app, name)
     install_error_handlers(app)

@@ -50,6 +50,7 @@ class ServerState:
     scheduler: Scheduler
     model_name: str
     default_max_tokens: int
+    trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own chat template
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -152,24 +153,30 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tierlm"}
 
 
-# what a chat template's context holds already, or the server refuses (tools, documents): not for
-# chat_template_kwargs to set
+# what a chat template's context holds already (documents: the request's field), or the server refuses
+# (tools): not for chat_template_kwargs to set
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
 
 
-def _template_text(tokenizer, body) -> str:
+def _template_text(state: ServerState, body) -> str:
     """The chat of `body` (a chat completion or a /tokenize of messages) rendered by the model's template,
-    with vLLM's chat_template_kwargs as more variables."""
+    or the request's `chat_template` where the server trusts requests' templates, with vLLM's `documents`
+    and chat_template_kwargs as more variables."""
+    if body.chat_template is not None and not state.trust_request_chat_template:
+        message = "chat_template in a request needs a server started with --trust-request-chat-template"
+        raise APIError(400, message, "chat_template")
     extra = body.chat_template_kwargs or {}
     own = next((k for k in extra if k in _TEMPLATE_OWN or k == "chat_template"), None)
     if own is not None:
         message = f"chat_template_kwargs cannot set {own!r}: it is the request's own field, or refused"
         raise APIError(400, message, "chat_template_kwargs")
     try:
-        return tokenizer.apply_chat_template(
+        return state.model.tokenizer.apply_chat_template(
             [m.as_template_input() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+            documents=body.documents,
             **extra,
         )
     except ValueError as err:
@@ -186,7 +193,7 @@ async def tokenize(body: TokenizeRequest, http: HTTPRequest) -> dict:
     body.check()
     tok = state.model.tokenizer
     if body.messages is not None:
-        text = _template_text(tok, body)
+        text = _template_text(state, body)
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -263,7 +270,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 @_generation_route("/v1/chat/completions", ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state = _checked_state(http, body)
-    ids = _truncated(state, body, await asyncio.to_thread(_chat_prompt_ids, state.model.tokenizer, body))
+    ids = _truncated(state, body, await asyncio.to_thread(_chat_prompt_ids, state, body))
     max_tokens = _max_tokens(
         state,
         len(ids),
@@ -374,10 +381,10 @@ def _vocabulary_ids(state: ServerState, name: str, ids: list[int]) -> tuple[int,
     return tuple(ids)
 
 
-def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    text = _template_text(tokenizer, body)
+def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    text = _template_text(state, body)
     # the template writes its own special tokens; as transformers does, encode without adding more
-    return tokenizer.encode(text, add_special_tokens=False)
+    return state.model.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _checked_state(http: HTTPRequest, body: _Common) -> ServerState:

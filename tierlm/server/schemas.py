@@ -251,6 +251,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    chat_template: Text | None = None  # vLLM's: this request's template (--trust-request-chat-template)
+    documents: list[dict[str, Text]] | None = None  # vLLM's: the template's `documents` (RAG templates)
     echo: bool = False  # vLLM's echo of the last message: not supported, refused when true
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -315,6 +317,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None
+    documents: list[dict[str, Text]] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

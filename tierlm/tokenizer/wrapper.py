@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> str:
-        """Render `messages` with the model's chat template, as transformers does: `tools` and `documents`
-        are None unless given; `continue_final_message` ends the text inside the last message (for the
-        model to continue it) instead of after its end-of-turn."""
-        if self._chat_template is None:
+        """Render `messages` with the model's chat template (or `chat_template`, a template's source), as
+        transformers does: `tools` and `documents` are None unless given; `continue_final_message` ends the
+        text inside the last message (for the model to continue it) instead of after its end-of-turn."""
+        if chat_template is None and self._chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not messages:
             raise ValueError("messages is empty: a chat needs at least one message")
@@ -143,8 +145,12 @@ class Tokenizer:
             raise ValueError(
                 "continue_final_message continues the last message: add_generation_prompt must be False"
             )
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self._chat_template)
+        if chat_template is not None:
+            template = _compiled_template(chat_template)
+        else:
+            if self._compiled is None:
+                self._compiled = compile_chat_template(self._chat_template)
+            template = self._compiled
         chat = [{key: value for key, value in m.items() if value is not None} for m in messages]
         if continue_final_message:  # a mark after the last text, to cut the rendered chat at
             chat[-1] = _marked(chat[-1])
@@ -156,7 +162,7 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            text = self._compiled.render(messages=chat, **context)
+            text = template.render(messages=chat, **context)
         except TemplateRaised as err:
             raise ValueError(f"chat template raised an error: {err.message}") from err
         except (jinja2.TemplateError, TypeError) as err:  # e.g. list content a template adds to a string
@@ -218,3 +224,9 @@ def _check_text(text) -> None:
         raise ValueError(
             f"text is not valid UTF-8: character {e.start} is {text[e.start]!r} (bytes that are not UTF-8?)"
         ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> jinja2.Template:
+    """A chat template given with a call (a server request's), compiled once for its next uses."""
+    return compile_chat_template(source)
