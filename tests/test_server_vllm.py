@@ -435,9 +435,13 @@ def test_use_beam_search_answers_the_librarys_n_best_beams(http, model):
     texts, reasons, last = ref.texts, ref.finish_reasons, [t[-1] for t in ref.token_ids]
     assert "stop" in reasons
     body = dict(model=NAME, prompt=PROMPT, max_tokens=8, n=3, use_beam_search=True, length_penalty=0.5)
-    body |= dict(stop_token_ids=[stop], temperature=1.0, top_p=0.5)
+    body |= dict(stop_token_ids=[stop], temperature=1.0, top_p=0.5, prompt_logprobs=1)
     reply = http.post(COMPLETIONS, json=body).json()
     choices = sorted(reply["choices"], key=lambda c: c["index"])
+    for c in choices:  # the prompt's log probabilities come with each beam
+        assert (
+            c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+        )
     assert [c["text"] for c in choices] == texts
     assert [c["finish_reason"] for c in choices] == reasons
     assert [c["stop_reason"] for c in choices] == [t if w == "stop" else None for t, w in zip(last, reasons)]
@@ -493,3 +497,41 @@ def test_what_a_beam_search_does_not_take_is_a_400(http, fields, name):
     error = response.json()["error"]
     assert error["param"] == name
     assert ("beam" in error["message"]) or name == "length_penalty"
+
+
+def test_prompt_logprobs_in_vllms_shape(http, model):
+    """vLLM's prompt_logprobs: per prompt token (the first None) its id -> logprob, rank and decoded_token,
+    and the k most likely tokens there ranked 1..k, each checked against the model's own logits; a chat
+    answers it beside the choices; a stream or k > 20 is a 400."""
+    import torch
+
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids]))[0].float().log_softmax(-1)
+    body = dict(model=NAME, prompt=PROMPT, max_tokens=2, prompt_logprobs=3, n=2)
+    choices = http.post(COMPLETIONS, json=body).json()["choices"]
+    got = choices[0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) and choices[1]["prompt_logprobs"] == got
+    for i in range(1, len(ids)):
+        row, token = logprobs[i - 1], ids[i]
+        top = row.topk(3).indices.tolist()
+        assert set(got[i]) == {str(t) for t in [token, *top]}
+        own = got[i][str(token)]
+        assert own["rank"] == int((row > row[token]).sum()) + 1
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-5)
+        assert own["decoded_token"] == piece(model, token)
+        assert [got[i][str(t)]["rank"] for t in top if t != token] == [
+            r + 1 for r, t in enumerate(top) if t != token
+        ]
+    messages = [{"role": "user", "content": "hi"}]
+    reply = http.post(
+        "/v1/chat/completions", json=dict(model=NAME, messages=messages, max_tokens=1, prompt_logprobs=0)
+    )
+    chat = reply.json()
+    assert (
+        chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    )
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # k = 0: the prompt token alone
+    for bad in (dict(stream=True), dict(prompt_logprobs=21)):
+        refused = http.post(COMPLETIONS, json={**body, **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -85,6 +85,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # a prompt token's: 1 + the tokens more likely there (vLLM's prompt_logprobs)
 
 
 class Sampler:

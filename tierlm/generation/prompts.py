@@ -7,7 +7,7 @@ import operator
 import torch
 
 from tierlm.generation.loop import TokenLogprob
-from tierlm.generation.sampling import token_logprobs
+from tierlm.generation.sampling import token_logprobs, token_ranks
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:
@@ -89,17 +89,17 @@ class PromptLogprobs:
 
     def __init__(self, ids: torch.Tensor, mask: torch.Tensor, top: int) -> None:
         self.ids, self.mask, self.top = ids, mask, top
-        self.parts: list[tuple[list, list, list]] = []
+        self.parts: list[tuple[list, list, list, list]] = []
 
     def add(self, logits: torch.Tensor, start: int) -> None:
         """logits [b, chunk, vocab] of columns start.. predict the tokens one column later."""
         end = min(start + logits.shape[1], self.ids.shape[1] - 1)
         if end <= start:
             return
-        chosen, values, ids = token_logprobs(
-            logits[:, : end - start], self.ids[:, start + 1 : end + 1], self.top
-        )
-        self.parts.append((chosen.tolist(), values.tolist(), ids.tolist()))
+        logits, targets = logits[:, : end - start], self.ids[:, start + 1 : end + 1]
+        chosen, values, ids = token_logprobs(logits, targets, self.top)
+        ranks = token_ranks(logits, targets)
+        self.parts.append((chosen.tolist(), values.tolist(), ids.tolist(), ranks.tolist()))
 
     def rows(self, wanted: list[int | None]) -> list[list[TokenLogprob | None]]:
         out = []
@@ -108,10 +108,11 @@ class PromptLogprobs:
             chosen = [v for part in self.parts for v in part[0][row]]
             values = [v for part in self.parts for v in part[1][row]]
             top_ids = [v for part in self.parts for v in part[2][row]]
+            ranks = [v for part in self.parts for v in part[3][row]]
             first = width - int(self.mask[row].sum())  # left padding
             entries: list[TokenLogprob | None] = [None]
             for col in range(first + 1, width):
                 top = list(zip(top_ids[col - 1][: n or 0], values[col - 1][: n or 0]))
-                entries.append(TokenLogprob(int(self.ids[row, col]), chosen[col - 1], top))
+                entries.append(TokenLogprob(int(self.ids[row, col]), chosen[col - 1], top, ranks[col - 1]))
             out.append(entries if n is not None else None)
         return out

@@ -202,3 +202,10 @@ def token_logprobs(
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[..., :0], tokens[..., None][..., :0])
     return chosen, values, ids
+
+
+def token_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's rank among the logits [..., vocab] (1: the most likely; tied tokens share a rank)."""
+    logits = logits.float()
+    chosen = logits.gather(-1, tokens.unsqueeze(-1))
+    return (logits > chosen).sum(dim=-1) + 1

@@ -338,7 +338,8 @@ class Scheduler:
                     r.emit(Event("error", text=SHUTDOWN_MESSAGE))
             emitted = len(job.gen.state.tokens[row])
             logprobs = tuple(job.gen.state.logprobs[row][-1:]) if r.config.logprobs is not None else ()
-            prompt_lp = job.gen.prompt_logprobs[row] if job.gen.prompt_logprobs and emitted == 1 else None
+            first = emitted == 1 or job.gen.search is not None  # a beam's one update is its first
+            prompt_lp = job.gen.prompt_logprobs[row] if job.gen.prompt_logprobs and first else None
             if delta or logprobs or prompt_lp:
                 r.emit(
                     Event(

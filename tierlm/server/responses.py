@@ -33,6 +33,7 @@ class Choice:
     completion_tokens: int = 0
     tokens: int = 0  # so far, for a chunk's usage (vLLM's continuous_usage_stats)
     started: bool = False  # its echo (prompt text and log probabilities) went out
+    prompt: list[TokenLogprob | None] | None = None  # its prompt's log probabilities, when asked
     # a completion's text_offset: characters so far, the tokens counted, how many of them are the echoed
     # prompt (its text keeps special tokens, the generated text does not), and the stream decoder counting
     # them (a token inside a character adds none until the character is whole, as the text is sent)
@@ -64,6 +65,7 @@ class Reply:
     tokenizer: object = None
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     skip_special: bool = True  # the answer's text leaves special tokens out (vLLM's skip_special_tokens)
+    prompt_top: int | None = None  # vLLM's prompt_logprobs: top tokens per prompt token (None: not asked)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -85,6 +87,8 @@ class Reply:
         c = self.state[event.index]
         c.tokens = max(c.tokens, event.tokens)
         text, entries = event.text, list(event.logprobs)
+        if event.prompt_logprobs is not None:
+            c.prompt = event.prompt_logprobs
         if not c.started:
             c.started = True
             if self.echo:
@@ -151,6 +155,26 @@ class Reply:
             "text_offset": offsets,
         }
 
+    def _prompt_logprobs(self, c: Choice) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token (the first: None) its id -> logprob, rank and text, and
+        the prompt_top most likely tokens there, ranked 1, 2, ..."""
+        out: list[dict | None] = []
+        for e in c.prompt or ():
+            if e is None:
+                out.append(None)
+                continue
+            ranked = [
+                (e.token, e.logprob, e.rank),
+                *((t, v, i + 1) for i, (t, v) in enumerate(e.top[: self.prompt_top])),
+            ]
+            entry: dict = {}
+            for token, logprob, rank in ranked:
+                entry.setdefault(
+                    str(token), {"logprob": logprob, "rank": rank, "decoded_token": self._name(token)}
+                )
+            out.append(entry)
+        return out
+
     def _chat_entry(self, e: TokenLogprob) -> dict:
         def one(token: int, logprob: float) -> dict:
             raw = self.tokenizer.token_bytes(token)  # the token's own bytes: they rebuild split characters
@@ -176,10 +200,15 @@ class Reply:
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs}
             choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+            if self.prompt_top is not None and not self.chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         tokens = sum(c.completion_tokens for c in self.state)
-        return {**self._head(kind), "choices": choices, "usage": self.usage(tokens)}
+        body = {**self._head(kind), "choices": choices, "usage": self.usage(tokens)}
+        if self.prompt_top is not None and self.chat:  # one prompt: vLLM answers it beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(self.state[0])
+        return body
 
     def chunk(
         self,

@@ -253,7 +253,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     ]
     n = body.n or 1
     echo_logprobs = body.logprobs if body.echo else None
-    configs = [_config(state, body, m, body.logprobs, echo_logprobs) for m in limits]
+    prompt_top = max((k for k in (echo_logprobs, body.prompt_logprobs) if k is not None), default=None)
+    configs = [_config(state, body, m, body.logprobs, prompt_top) for m in limits]
     reply = _reply(
         state,
         body,
@@ -281,7 +282,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     )
     top = (body.top_logprobs or 0) if body.logprobs else None
     reply = _reply(state, body, chat=True, prompt_tokens=len(ids), choices=body.n or 1, top=top)
-    return await _respond(state, http, body, [ids], [_config(state, body, max_tokens, top, None)], reply)
+    config = _config(state, body, max_tokens, top, body.prompt_logprobs)
+    return await _respond(state, http, body, [ids], [config], reply)
 
 
 def _reply(state: ServerState, body: _Common, **shape) -> Reply:
@@ -293,6 +295,7 @@ def _reply(state: ServerState, body: _Common, **shape) -> Reply:
         tokenizer=state.model.tokenizer,
         token_ids=bool(body.return_tokens_as_token_ids),
         skip_special=body.skip_special_tokens is not False,
+        prompt_top=body.prompt_logprobs,
         **shape,
     )
 

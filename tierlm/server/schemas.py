@@ -20,11 +20,10 @@ MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
 # defaults, null aside): any other would change the output, so it is refused. top_k, min_p,
 # repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, allowed_token_ids,
-# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens, bad_words, use_beam_search,
+# truncate_prompt_tokens, return_tokens_as_token_ids, skip_special_tokens, bad_words, prompt_logprobs, use_beam_search,
 # length_penalty and the structured-output fields are fields below; add_generation_prompt, continue_final_message and chat_template_kwargs are chat's.
 EXTENSIONS: dict[str, tuple] = {
     "spaces_between_special_tokens": (True,),
-    "prompt_logprobs": (),
     "logits_processors": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
@@ -100,6 +99,8 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool | None = None  # false: special tokens' text is in the output
     bad_words: list[Text] | None = None  # words a choice may not write
+    # each prompt token's log probability, rank and the top ones there (vLLM's shape; not in a stream)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     use_beam_search: bool | None = None  # n beams, the n best returned (transformers' beam search)
     length_penalty: float | None = (
         None  # with use_beam_search: a beam scores its log probs / new tokens ** this
@@ -152,6 +153,8 @@ class _Common(BaseModel):
         _ = self.parsed_response_format
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM answers it
+            raise APIError(400, "prompt_logprobs is not available in a stream", "prompt_logprobs")
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
