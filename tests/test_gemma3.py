@@ -290,14 +290,16 @@ def test_a_tokenizer_cached_by_an_older_tierlm_is_rebuilt(default_model_path):
     assert gguf_cache.open_cached_tokenizer(default_model_path) is None
 
 
-def run_continuous(model, joins, new: int, rows: int = 4, chunk: int | None = 256):
+def run_continuous(model, joins, new: int, rows: int = 4, chunk: int | None = 256, compile_config=None):
     """Greedy (token, log probability) pairs per (key, choice) from an eager continuous batch (SlotBatch) that the sequences of
     `joins` enter in groups: a group joins once the batch has no prefill waiting, so groups prefill together
     (left-padded into a scratch cache) and decode beside rows already past the window."""
     from tierlm.generation.config import GenerationConfig
     from tierlm.generation.continuous import Sequence, SlotBatch
 
-    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, prefill_chunk=chunk, logprobs=0)
+    config = GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, prefill_chunk=chunk, logprobs=0, compile_config=compile_config
+    )
     batch = SlotBatch(model, rows, config)
     tokens: dict[tuple, list[tuple[int, float]]] = {}
     pending = list(joins)
@@ -308,7 +310,8 @@ def run_continuous(model, joins, new: int, rows: int = 4, chunk: int | None = 25
         for u in batch.advance():
             if u.token is not None:
                 tokens.setdefault((u.key, u.choice), []).append((u.token, u.logprob.logprob))
-    assert not batch.decision.compile and not batch.cache.rings  # sliding layers as long as the full ones
+    assert batch.decision.compile == (compile_config is not None)
+    assert not batch.cache.rings  # sliding layers as long as the full ones
     return tokens, batch.stats
 
 
@@ -354,9 +357,27 @@ def test_continuous_rows_get_their_solo_tokens_across_the_window(served, name, c
         assert stats["prefills_together"] >= 2
 
 
+@pytest.mark.parametrize(("name", "scope"), [("untied", "layer"), ("tied", "model")])
+def test_compiled_continuous_rows_get_their_solo_tokens(served, name, scope):
+    """The same through compiled steps: a layer body, and a frozen whole step, whose sliding windows read
+    the rows' slots as an input (marked static, a frozen step folded the first step's windows into a
+    constant: every row but the first went wrong)."""
+    model = served[name]
+    w = model.config.sliding_window
+    prompts = [r[m.bool()].tolist() for r, m in zip(*_prompts([2 * w + 3, 2, w + 1], seed=5))]
+    joins = [[(0, prompts[0], 1)], [(1, prompts[1], 2)], [(2, prompts[2], 1)]]
+    got, _ = run_continuous(model, joins, 3 * w, rows=4, compile_config=CompileConfig(scope=scope))
+    for key, prompt in enumerate(prompts):
+        solo = model.generate([prompt], max_new_tokens=3 * w, min_new_tokens=3 * w, logprobs=0)
+        for choice in range(2 if key == 1 else 1):
+            tokens, logprobs = zip(*got[(key, choice)])
+            assert list(tokens) == solo.token_ids[0], (key, choice)
+            assert logprobs == pytest.approx([t.logprob for t in solo.logprobs[0]], abs=1e-4)
+
+
 def test_a_sliding_window_model_is_served_with_continuous_batching(served):
     """`tierlm serve` batches a Gemma 3 model continuously (it served it statically before): concurrent greedy
-    requests each get their solo run's text; with compiled steps it is still served statically."""
+    requests each get their solo run's text, through eager steps and through compiled ones."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -376,6 +397,8 @@ def test_a_sliding_window_model_is_served_with_continuous_batching(served):
         with ThreadPoolExecutor(3) as pool:
             assert list(pool.map(complete, prompts)) == solo
         assert live.stats()["batching"] == "continuous"
-    config = tierlm.GenerationConfig(compile_config=CompileConfig())
+    config = tierlm.GenerationConfig(compile_config=CompileConfig(scope="layer"))
     with serve(model, max_batch_size=4, generation_config=config) as live:
-        assert live.stats()["batching"] == "static"
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(complete, prompts)) == solo
+        assert live.stats()["batching"] == "continuous"

@@ -362,8 +362,12 @@ def _resolve(inputs, layer, args) -> list[tuple[dict | None, str | int]]:
 
 
 def _static_addresses(cache) -> None:
-    """Every tensor the cache holds, marked static (cache.mark_static)."""
-    for value in vars(cache).values():
+    """Every tensor the cache holds, marked static (cache.mark_static), but a continuous batch's row slots,
+    which a step only reads and whose values change between steps (SlotCache: a static input is a constant
+    to a frozen step)."""
+    for name, value in vars(cache).items():
+        if name == "row_slots":
+            continue
         mark_static(
             *(t for t in (value if isinstance(value, list) else [value]) if isinstance(t, torch.Tensor))
         )

@@ -84,9 +84,9 @@ SERVED_MAX_TOKENS = 1024  # what a chat request that names no max_tokens gets (b
 
 
 def served_statically(model, batching: str) -> bool:
-    """Whether the server's static worker serves `model`: asked for, or a sliding-window model (build_app
-    serves those statically: rows of one ring cache at different positions cannot share it)."""
-    return batching == "static" or any(model.decoder.sliding)
+    """Whether the server's static worker serves `model`: as asked (every model can be batched
+    continuously, a sliding-window one too, compiled or not)."""
+    return batching == "static"
 
 
 def prepare_served_packages(model, cc, max_batch_size: int, max_model_len: int | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tierlm import kernels
-from tierlm.cache import StaticCache, StaticLayerView, mark_static
+from tierlm.cache import StaticCache, StaticLayerView
 from tierlm.models.masks import attention_mask_4d
 
 
@@ -74,8 +74,10 @@ class SlotCache:
     def __init__(self, cache: StaticCache, rows: int, eager: bool = False) -> None:
         if cache.rings:
             raise ValueError("rows at positions of their own need sliding layers without rings (rings=False)")
+        # not marked static: a step only reads it, and its values change between steps (rows join and
+        # leave), where a frozen whole step folds what it computes from a static input into a constant (a
+        # sliding layer's window, `sliding_mask`, went stale so)
         row_slots = torch.zeros(rows, 1, dtype=torch.long, device=cache.valid.device)
-        mark_static(row_slots)
         keys, values = [k[:rows] for k in cache.keys], [v[:rows] for v in cache.values]
         self._hold(keys, values, cache.valid[:rows], row_slots, ScratchLayerView if eager else SlotLayerView)
         self.cache = cache

@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from tierlm.generation.config import GenerationConfig
-from tierlm.generation.continuous import compiles
 from tierlm.server.batcher import Scheduler
 from tierlm.server.compute import release_openmp_team
 from tierlm.server.continuous import ContinuousScheduler
@@ -94,19 +93,11 @@ def _check_servable(model: Model, max_body_bytes: int, default_max_tokens: int) 
 
 
 def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kwargs) -> Scheduler:
-    """The worker for `batching` ("continuous" or "static"; a sliding-window model whose steps compile is
-    served statically), its packaged steps loaded or built now when it compiles them. `kwargs`:
-    max_batch_size, max_queue, base_config."""
+    """The worker for `batching` ("continuous" or "static"), its packaged steps loaded or built now when it
+    compiles them. `kwargs`: max_batch_size, max_queue, base_config."""
     schedulers = {"continuous": ContinuousScheduler, "static": Scheduler}
     if batching not in schedulers:
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
-    sliding = any(getattr(getattr(model, "decoder", None), "sliding", ()))
-    if (
-        batching == "continuous"
-        and sliding
-        and compiles(model, kwargs.get("base_config") or GenerationConfig())
-    ):
-        batching = "static"  # compiled continuous steps are not built for sliding windows (eager ones are)
     if batching == "static":
         return Scheduler(model, **kwargs)
     # The continuous worker sizes its cache at start-up for a request of default_max_tokens (tierlm.aot).
