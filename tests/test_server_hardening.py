@@ -87,7 +87,7 @@ UNHONOURED = [  # (path, body, the param the error names)
     (CHAT, chat_body(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     (CHAT, chat_body(echo=True), "echo"),
     (CHAT, chat_body(continue_final_message=True), "continue_final_message"),  # beside the generation prompt
-    (COMPLETIONS, completion_body(prompt_logprobs=1), "prompt_logprobs"),
+    (COMPLETIONS, completion_body(prompt_logprobs=1, stream=True), "prompt_logprobs"),  # vLLM's: not streamed
 ]
 
 

@@ -25,7 +25,11 @@ MAX_N = 16  # choices per request (each takes a row of the batch)
 EXTENSIONS: dict[str, tuple] = {
     "spaces_between_special_tokens": (True,),
     "logits_processors": (),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": (
+        "auto",
+        "guidance",
+        "llguidance",
+    ),  # llguidance is the one here (vLLM's "guidance")
     "guided_whitespace_pattern": (),
     "chat_template": (),
     "documents": ([],),
