@@ -124,6 +124,7 @@ def test_fields_at_their_default_or_without_effect_are_accepted(http):
         include_stop_str_in_output=False,
         skip_special_tokens=True,
         stop_token_ids=[],
+        guided_decoding_backend="guidance",  # the backend here (llguidance)
     )
     response = http.post(COMPLETIONS, json=completion_body(**vllm_defaults, stop=list("abcde")))  # 5 stops
     assert response.status_code == 200, response.text
