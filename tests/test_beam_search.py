@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import write_tiny_checkpoint
 from test_gemma3 import write_gemma3
+from test_generate import left_padded
 
 import tierlm
 from tierlm import CompileConfig
@@ -32,16 +33,6 @@ SETTINGS = [
     (4, -1.0, False, 4, 4, 3),
     (3, 1.0, "never", 3, 6, 0),
 ]
-
-
-def left_padded(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
 
 
 def hf_beams(hf, prompts, k, lp, early, n, ends, min_new, new=NEW):

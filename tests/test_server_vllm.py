@@ -409,6 +409,7 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http, model
 
     def chunks(options: dict) -> list[dict]:
         body = {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "stream": True, "stream_options": options}
+        body["temperature"] = 0  # both streams the same text, so the same chunks (sampled, they differed)
         with http.stream("POST", COMPLETIONS, json=body) as response:
             lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         return [json.loads(line) for line in lines if line != "[DONE]"]

@@ -281,21 +281,14 @@ class Scheduler:
         limits = [r.max_tokens for r, _ in owners]
         stops = [r.stops for r, _ in owners]
         row_configs = [r.choice_config(c) for r, c in owners]
-        compiles = decide(  # the one decision: e.g. an offloaded model never compiles, so never pads
-            self.model.device_map,
-            config.cache_implementation,
-            config,
-            uncompilable=self.model.uncompilable_reasons(),
-            device=str(self.model.device),
-        ).compile
+        compiles = self._compiles(config)  # e.g. an offloaded model never compiles, so never pads
         if compiles:
             # A compiled step is built per batch size: round up to a power of two (1, 2, 4, 8, ...) with
             # one-token copies of the first prompt, so at most log2(max batch) + 1 shapes ever compile.
             extra = (1 << (len(rows) - 1).bit_length()) - len(rows)
             rows, limits, stops = rows + [rows[0]] * extra, limits + [1] * extra, stops + [()] * extra
             row_configs += [config.replace(do_sample=False, logprobs=None, prompt_logprobs=None)] * extra
-        if compiles and self.max_model_len is not None and config.cache_implementation != "dynamic":
-            config = config.replace(max_cache_len=self.max_model_len)  # the one length, built at start
+        config = self._sized(config, compiles)
         length = static_cache_length(config, self.model.config, max(len(r) for r in rows))
         shape = (len(rows), length) if length is not None else None
         padded = owners + [None] * (len(rows) - len(owners))
@@ -303,20 +296,27 @@ class Scheduler:
 
     def _plan_beams(self, r: Request) -> Job:
         """A beam search's job: one prompt, its beams the rows (never padded), its n best the choices."""
-        config = r.config
-        compiles = decide(
-            self.model.device_map,
-            config.cache_implementation,
-            config,
-            uncompilable=self.model.uncompilable_reasons(),
-            device=str(self.model.device),
-        ).compile
-        if compiles and self.max_model_len is not None and config.cache_implementation != "dynamic":
-            config = config.replace(max_cache_len=self.max_model_len)
+        compiles = self._compiles(r.config)
+        config = self._sized(r.config, compiles)
         length = static_cache_length(config, self.model.config, len(r.prompt_ids))
         shape = (config.num_beams, length) if length is not None else None
         owners = [(r, c) for c in range(r.n)]
         return Job([r], owners, [r.prompt_ids], None, None, None, config, shape, compiles)
+
+    def _compiles(self, config: GenerationConfig) -> bool:
+        """The one decision (decide()) for a batch of `config`."""
+        model = self.model
+        uncompilable = model.uncompilable_reasons()
+        cache = config.cache_implementation
+        return decide(
+            model.device_map, cache, config, uncompilable=uncompilable, device=str(model.device)
+        ).compile
+
+    def _sized(self, config: GenerationConfig, compiles: bool) -> GenerationConfig:
+        """A compiled batch's cache has the one length built at start (max_model_len), where there is one."""
+        if compiles and self.max_model_len is not None and config.cache_implementation != "dynamic":
+            return config.replace(max_cache_len=self.max_model_len)
+        return config
 
     def _advance(self, job: Job) -> bool:
         """One unit of the job's work, its deltas sent to the clients; False once the job is over."""
