@@ -79,8 +79,8 @@ class BeamSearch:
         self._finish(top, tokens, ends, i + 1)
         self.steps = i + 1
         self._close(i + 1)
-        going = bool(self.open.any()) and not (self.early_stopping is True and bool(self.done.all()))
-        going = going and not bool(ends.all())
+        full = self.done.all() & (self.early_stopping is True)
+        going = bool(self.open.any() & ~full & ~ends.all())  # the step's one read of the search's state
         rows = torch.arange(p, device=beam.device)[:, None] * k + beam.gather(1, best)
         return rows.view(-1), self.tokens[:, :, i].reshape(-1), going
 
