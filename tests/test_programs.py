@@ -1,12 +1,13 @@
 """Eager decode steps as layer programs (tierlm.models.programs): the same logits as the module path, bit for
-bit, for every family, precision and product path; streamed and hooked layers stay modules."""
+bit, for every family, precision and product path; streamed layers fetch their weights around their
+programs, hooked layers stay modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from agreement import greedy
-from conftest import write_tiny_checkpoint
+from conftest import SEED_MAP, write_tiny_checkpoint
 from test_gemma3 import write_gemma3
 from test_server import write_tokenizer
 
@@ -177,19 +178,55 @@ def test_a_plain_norm_is_its_modules_forward(norm, dtype, weight_dtype, kernel):
         assert torch.equal(module.plain(dtype)(rows), module(rows))
 
 
-def test_streamed_layers_run_as_modules_and_fetch_their_weights(checkpoints, tmp_path, monkeypatch):
-    """Layers on disk stream through their hooks, so they run as modules; the resident ones run as programs;
-    the tokens are the all-resident model's (fp32)."""
+@pytest.mark.parametrize("tier", ["disk", "cpu"])
+def test_streamed_layers_fetch_their_weights_around_their_programs(checkpoints, tmp_path, monkeypatch, tier):
+    """A layer on disk, whose memory-mapped weights a CPU uses in place, runs as a program that fetches and
+    releases them around itself at every step. A layer mapped to "cpu" while the CPU executes (the seed's
+    map), whose every fetch copies its weights, runs as a module through its hooks. Either way the tokens are
+    the all-resident model's and the logits the module path's, bit for bit (fp32)."""
     resident = tierlm.load(checkpoints["llama"], dtype="float32")
     expected = greedy(resident, PROMPTS[:2], max_new_tokens=10, min_new_tokens=10)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
-    device_map.update({"model.norm": "cpu", "lm_head": "cpu"})
-    model = tierlm.load(checkpoints["llama"], dtype="float32", device_map=device_map, offload_folder=tmp_path)
+    if tier == "disk":
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
+        device_map.update({"model.norm": "cpu", "lm_head": "cpu"})
+        model = tierlm.load(
+            checkpoints["llama"], dtype="float32", device_map=device_map, offload_folder=tmp_path
+        )
+    else:
+        model = tierlm.load(
+            checkpoints["llama"], dtype="float32", device_map=SEED_MAP, execution_device="cpu"
+        )
+    layer = model.decoder.model.layers[1]
+    assert [u.tier for u in model.streamer.units if u.name == "model.layers.1"] == [tier]
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in layer.modules()]
     fetches = model.streamer.fetches
     fast, slow, built = with_and_without_programs(model, monkeypatch, 2)
-    assert built == [0]
-    assert model.streamer.fetches - fetches >= 2 * 10  # both runs fetched layer 1 at every step
+    assert built == ([0, 1] if tier == "disk" else [0])
+    # both runs fetched layer 1 at every step, the prefill's and the decode steps (and model.norm, on "cpu")
+    assert model.streamer.fetches - fetches == 2 * 10 * len(model.streamer.units)
+    assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in layer.modules()] == hooks
     assert fast.tokens == slow.tokens == expected.tokens
+    assert torch.equal(fast.logits, slow.logits)
+
+
+def test_a_streamed_layers_program_drops_its_pages_under_a_ram_budget(checkpoints, tmp_path, monkeypatch):
+    """Under a RAM budget a disk layer's pages are dropped after each use; its program releases them too."""
+    path = write_tiny_checkpoint(
+        tmp_path / "deep", "llama", {**WIDE, "intermediate_size": 2048, "num_hidden_layers": 4}
+    )
+    # a budget that holds the KV cache reserve (4.2 MB), one streamed layer (3.3 MB) and layer 0
+    model = tierlm.load(
+        path, dtype="float32", device_map="auto", max_memory={"cpu": "12MB"}, offload_folder=tmp_path / "off"
+    )
+    streamer = model.streamer
+    assert streamer.drop_disk_pages and {u.tier for u in streamer.units} == {"disk"}
+    assert any(u.name.startswith("model.layers.") for u in streamer.units), model.device_map
+    dropped = []
+    monkeypatch.setattr(streamer, "_drop_pages", lambda t: dropped.append(t))
+    fast, slow, built = with_and_without_programs(model, monkeypatch, 1)
+    assert built == [0, 1, 2, 3]
+    layer_units = [u for u in streamer.units if u.name.startswith("model.layers.")]
+    assert len(dropped) >= 2 * 10 * sum(len(u.sources) for u in layer_units)
     assert torch.equal(fast.logits, slow.logits)
 
 

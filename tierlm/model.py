@@ -134,9 +134,9 @@ class Model:
         attending over the `length` slots in use, not the whole cache."""
         ones = torch.ones(cache.valid.shape[0], 1, dtype=torch.bool, device=self.device)
         grows = isinstance(cache, DynamicCache)  # no position bound known up front
-        # layers that stream their weights run as modules, whose hooks fetch them
-        streamed = set(self.streamer.by_layer) if self.streamer is not None else set()
-        programs = decode_programs(self.decoder, cache, streamed)
+        # a layer that streams its weights fetches them around its program, or runs as a module
+        around = self.streamer.around_program if self.streamer is not None else None
+        programs = decode_programs(self.decoder, cache, around)
 
         def step(tokens, positions, slots, length):
             rope = self.decoder.rope_cos

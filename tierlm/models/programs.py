@@ -10,12 +10,13 @@ same tensors: its logits are bit for bit the module path's (tests/test_programs.
 A layer gets a program where its decode step would run tierlm's fused rotary-attention kernel
 (`layers.rope_attention`) over a static cache view (a sliding layer's ring too), each product has a plain
 function (`product` of linear.Linear, linear.FusedProjections and the quantized linears) and no hook
-watches it (a streamed layer fetches its weights in hooks). Any other layer runs as a module, as before.
+watches it but a streamer's, where the streamer fetches and releases the layer's weights around its program
+(memory-mapped disk pages on a CPU, used in place). Any other layer runs as a module, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from tierlm.models.gemma3 import Gemma3DecoderLayer
 from tierlm.models.layers import DecoderLayer, kernel_heads
 
 Program = Callable[..., torch.Tensor]  # program(x [rows, 1, hidden], rope, mask, slots) -> x after the layer
+Around = Callable[[nn.Module, Callable[[], "Program | None"]], "Program | None"]
 
 
 class DecodePrograms:
@@ -39,16 +41,18 @@ class DecodePrograms:
         return sum(p is not None for p in self.by_layer)
 
 
-def decode_programs(decoder: nn.Module, cache, skip: Collection[int] = ()) -> DecodePrograms | None:
+def decode_programs(decoder: nn.Module, cache, around: Around | None = None) -> DecodePrograms | None:
     """Programs for the eager decode steps of `decoder` over `cache` (a static cache: one view per layer), or
-    None where no layer has one. skip: id() of layer modules that must run as modules (streamed ones)."""
+    None where no layer has one. around(layer, build): the layer's program from build() -> program or None,
+    for a decoder whose layers may stream their weights (Streamer.around_program); None: build()."""
     views = getattr(cache, "views", None)
     rows = getattr(cache, "batch", None)
     if views is None or rows is None or _global_hooks():
         return None
     dtype = decoder.compute_dtype
+    around = around or (lambda _layer, build: build())
     programs = [
-        None if id(layer) in skip else layer_program(layer, view, rows, dtype)
+        around(layer, lambda layer=layer, view=view: layer_program(layer, view, rows, dtype))
         for layer, view in zip(decoder.model.layers, views)
     ]
     return DecodePrograms(programs, rows, cache) if any(p is not None for p in programs) else None
