@@ -1,4 +1,4 @@
-"""tierlm's one-row bf16 product (kernels.bf16_vector_product, AVX-512 BF16): its math against the exact
+"""tierlm's one-row bf16 product (kernels.bf16_vector_product, AVX-512 BF16 or AVX2): its math against the exact
 product, its errors, and where eager decode steps use it."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from tierlm import cpu, kernels
 @pytest.fixture(scope="module")
 def bf16_mv():
     if kernels.bf16_vector_product() is None:
-        pytest.skip("tierlm's one-row bf16 product is built for AVX-512 BF16 CPUs only")
+        pytest.skip("tierlm's one-row bf16 product is built where tierlm's CPU kernels are (x86)")
     return kernels.bf16_vector_product()
 
 
 @pytest.mark.parametrize(("n", "k"), [(4, 32), (96, 576), (49152 // 64, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_vector_product_matches_the_exact_product(bf16_mv, n, k, bias):
-    """y = x @ w.T (+ bias) of bf16 x and w, summed in fp32 (each pair of products exact but for subnormals,
-    which vdpbf16ps flushes to zero; the sums rounded to fp32: relative 1e-5 of the sum of |terms|), rounded
+    """y = x @ w.T (+ bias) of bf16 x and w, summed in fp32 (each product exact but for subnormals, which
+    AVX-512 BF16's vdpbf16ps flushes to zero; the sums rounded to fp32: relative 1e-5 of the sum of |terms|), rounded
     once to bf16 (half an ulp)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()

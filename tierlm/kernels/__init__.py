@@ -1,7 +1,7 @@
 """tierlm's own CPU kernels: int4 and int8 weight-only products, a decode step's attention (alone, or with
 its rotary and static-cache write: decode_rope_attention), its RMSNorm, the copy of an eager continuous
-step's scratch column to each row's slot (copy_column), and on AVX-512 BF16 CPUs a one-row bf16 product
-(`bf16_vector_product`), for x86 CPUs (`avx2_quant.cpp`).
+step's scratch column to each row's slot (copy_column), and a one-row bf16 product (`bf16_vector_product`:
+AVX-512 BF16's dot products where the CPU has them, else AVX2's), for x86 CPUs (`avx2_quant.cpp`).
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have no fast path without AVX-512, and
 inductor has no AVX2 int4 template, so on an AVX2 CPU decode spends most of its time widening weights to
@@ -207,7 +207,8 @@ def loaded():
 
 def bf16_vector_product():
     """torch.ops.tierlm_avx2.bf16_mv, tierlm's one-row bf16 product, where this process uses tierlm's kernels
-    and they were built for AVX-512 BF16 (a CPU torch runs at AVX512 with native bf16), else None."""
+    (built with AVX-512 BF16's dot products where torch runs at AVX512 with native bf16, else with AVX2's
+    widening and FMA), else None."""
     ops = selected()
     return None if ops is None else getattr(ops, "bf16_mv", None)
 

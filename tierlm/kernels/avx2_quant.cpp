@@ -9,7 +9,7 @@
 // tests/test_kernels.py checks the result against the exact product.
 // The file also holds a decode step's attention over a K/V cache (decode_attention, below the products), and
 // that attention with the step's rotary and static-cache write in one call (decode_rope_attention); built
-// with AVX-512 BF16, a one-row bf16 product (bf16_mv).
+// and a one-row bf16 product (bf16_mv: AVX-512 BF16's dot products where built with them, else AVX2's FMA).
 //
 // int4: the weight layout and the scales are torch's own on an AVX2 CPU (aten._convert_weight_to_int4pack_for_cpu
 // and _weight_int4pack_mm_for_cpu): in each block of 32 rows, byte (k, j) holds column k of row j in its low
@@ -1041,6 +1041,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 }
 
 
+// A one-row bf16 product (bf16_mv): on AVX-512 BF16 by vdpbf16ps, else (AVX2) by widening and FMA.
 #if defined(__AVX512BF16__)
 // A one-row bf16 product on AVX-512 BF16 (vdpbf16ps: pairs of bf16 products summed into fp32 lanes): y [1, N] =
 // x [1, K] @ w.T (+ bias), four weight rows at a time, each read from start to end, each row's sum in one fixed
@@ -1062,6 +1063,33 @@ inline void bf16_rows4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k
   out[2] = _mm512_reduce_add_ps(a2);
   out[3] = _mm512_reduce_add_ps(a3);
 }
+#else
+// The same product without native bf16 (AVX2): each bf16 widened to fp32 exactly (a 16-bit shift) and multiplied
+// into fp32 sums by FMA, two sums a row (even and odd 8-element blocks) added at the end, four rows at a time.
+// aten's one-row bf16 product (torch.mv or F.linear) reads the weight at 16-19 GB/s on a Zen 3 (2 threads),
+// the time fp32's takes for twice the bytes: its widening bounds it, not memory.
+inline __m256 bf16x8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline void bf16_rows4(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, float* out) {
+  __m256 a[4][2];
+  for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {  // one 64-byte line of each row
+    const __m256 x0 = bf16x8(x + c), x1 = bf16x8(x + c + 8), x2 = bf16x8(x + c + 16), x3 = bf16x8(x + c + 24);
+    for (int r = 0; r < 4; ++r) {
+      const c10::BFloat16* row = w + r * k + c;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH / 2, _MM_HINT_T0);
+      a[r][0] = _mm256_fmadd_ps(bf16x8(row), x0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(bf16x8(row + 8), x1, a[r][1]);
+      a[r][0] = _mm256_fmadd_ps(bf16x8(row + 16), x2, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(bf16x8(row + 24), x3, a[r][1]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+}
+#endif
 
 at::Tensor bf16_mv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && x.device().is_cpu() &&
@@ -1090,7 +1118,6 @@ at::Tensor bf16_mv(const at::Tensor& x, const at::Tensor& w, const std::optional
   });
   return out;
 }
-#endif
 
 }  // namespace
 
@@ -1103,9 +1130,7 @@ TORCH_LIBRARY(tierlm_avx2, lib) {
       "Tensor(b!) values, Tensor slots, Tensor mask, float scale) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
   lib.def("copy_column(Tensor(a!)[] stores, Tensor where, int scratch) -> ()");
-#if defined(__AVX512BF16__)
   lib.def("bf16_mv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
@@ -1115,7 +1140,5 @@ TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
   lib.impl("decode_rope_attention", &decode_rope_attention);
   lib.impl("rms_norm", &rms_norm);
   lib.impl("copy_column", &copy_column);
-#if defined(__AVX512BF16__)
   lib.impl("bf16_mv", &bf16_mv);
-#endif
 }
