@@ -97,7 +97,7 @@ class CpuFeatures:
 
     @property
     def vector_kernel(self) -> bool:
-        """Whether eager one-row bf16 products (batch-1 decode) run on tierlm's AVX-512 BF16 kernel
+        """Whether eager one-row bf16 products (batch-1 decode) run on tierlm's one-row bf16 kernel
         (`kernels.bf16_vector_product`, where it is built) rather than F.linear or torch.mv: with native bf16
         at AVX512 and no AMX, and at AVX2. Measured on a Zen 4, 2 threads: the default model's bf16 eager
         decode 40.6 -> 67.4 tok/s, the same 128 greedy tokens (1.4-1.7x F.linear's read of weights from

@@ -8,8 +8,8 @@
 // aten's.)
 // tests/test_kernels.py checks the result against the exact product.
 // The file also holds a decode step's attention over a K/V cache (decode_attention, below the products), and
-// that attention with the step's rotary and static-cache write in one call (decode_rope_attention); built
-// and a one-row bf16 product (bf16_mv: AVX-512 BF16's dot products where built with them, else AVX2's FMA).
+// that attention with the step's rotary and static-cache write in one call (decode_rope_attention), and a
+// one-row bf16 product (bf16_mv: AVX-512 BF16's dot products where built with them, else AVX2's FMA).
 //
 // int4: the weight layout and the scales are torch's own on an AVX2 CPU (aten._convert_weight_to_int4pack_for_cpu
 // and _weight_int4pack_mm_for_cpu): in each block of 32 rows, byte (k, j) holds column k of row j in its low
