@@ -104,16 +104,21 @@ class Streamer:
             if not units:
                 return body(layer, *args)
             for i in units:
-                self.fetch(i)
                 if i in self.hooks:
                     self._unhook(i)
-            try:
-                return body(layer, *args)
-            finally:
-                for i in units:
-                    self.release(i)
+            return self._streaming(units, body, layer, *args)
 
         return layer_fn
+
+    def _streaming(self, units: list[int], fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """fn(*args) with `units` fetched (the next one prefetched) before and released after."""
+        for i in units:
+            self.fetch(i)
+        try:
+            return fn(*args)
+        finally:
+            for i in units:
+                self.release(i)
 
     def around_program(self, layer: nn.Module, build: Callable[[], Callable | None]) -> Callable | None:
         """`layer`'s eager decode program (tierlm.models.programs), from build() -> program or None. A layer
@@ -125,7 +130,7 @@ class Streamer:
         units = self.by_layer.get(id(layer))
         if not units:
             return build()
-        if not all(self.device.type == "cpu" and self.units[i].tier == "disk" for i in units):
+        if not all(self._mapped_in_place(i) for i in units):
             return None  # fetch puts copies on the module: it runs as a module, through its hooks
         hooked = [i for i in units if i in self.hooks]
         for i in hooked:
@@ -135,19 +140,7 @@ class Streamer:
         finally:
             for i in hooked:
                 self._hook(i)
-        if program is None:
-            return None
-
-        def streamed(*args) -> torch.Tensor:
-            for i in units:
-                self.fetch(i)
-            try:
-                return program(*args)
-            finally:
-                for i in units:
-                    self.release(i)
-
-        return streamed
+        return None if program is None else lambda *args: self._streaming(units, program, *args)
 
     def _load(self, i: int):
         """Bring unit i's weights to the execution device (on the prefetch thread, or on this one when no
@@ -163,7 +156,7 @@ class Streamer:
             # pages every token would only walk page tables on a core the forward needs.
             populate([*unit.sources.values(), *unit.extra])
             self.mapped.add(i)
-        if self.device.type == "cpu" and unit.tier == "disk":
+        if self._mapped_in_place(i):
             return unit.sources, None  # memory-mapped weights are used in place
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
@@ -173,12 +166,17 @@ class Streamer:
             return out, event
         return {k: t.to(self.device, copy=True) for k, t in unit.sources.items()}, None
 
+    def _mapped_in_place(self, i: int) -> bool:
+        """Whether unit i's weights on its module are its memory-mapped sources themselves (disk pages on a
+        CPU), which no fetch or release moves."""
+        return self.device.type == "cpu" and self.units[i].tier == "disk"
+
     def _in_place(self, i: int) -> bool:
         """Whether unit i's weights are used where they are with nothing to do first: memory-mapped pages on a
         CPU, faulted in and not dropped since. Such a unit is never handed to the prefetch thread: waking it
         for no work costs a 2-core CPU more than the thread could save (bf16 layer-compiled decode with every
         layer on disk 22.6 -> 27.1 tok/s, resident 28.2, interleaved in one process on a Zen 3)."""
-        return self.device.type == "cpu" and self.units[i].tier == "disk" and i in self.mapped
+        return self._mapped_in_place(i) and i in self.mapped
 
     def fetch(self, i: int) -> None:
         """Put unit i's weights on its module (waiting for its prefetch if under way); prefetch unit i+1."""
@@ -207,7 +205,7 @@ class Streamer:
     def release(self, i: int) -> None:
         """Point unit i's module back at its sources (device copies go); drop its pages under a RAM budget."""
         unit, module = self.units[i], self.modules[i]
-        if not (unit.tier == "disk" and self.device.type == "cpu"):
+        if not self._mapped_in_place(i):
             _assign(module, unit.sources)  # the device copies go; the sources stay
         if unit.tier == "disk" and self.drop_disk_pages:
             self.mapped.discard(i)
