@@ -117,44 +117,60 @@ inline void load_scale_zero<c10::BFloat16>(const c10::BFloat16* sz, __m256& s, _
   z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// One block of 32 rows for one activation row: out[0..31] = sum_k w[row, k] * x[k]
+// Rows 8i..8i+7 of a block's exact int32 sums, from the accumulators of its even rows (a) and odd rows (b):
+// a holds rows 2j (j = 0..3) of two column sets in its two lanes, b rows 2j + 1; the lanes are summed
+inline __m256i rows_of(__m256i a, __m256i b) {
+  const __m256i p = _mm256_unpacklo_epi32(a, b), q = _mm256_unpackhi_epi32(a, b);  // per lane: rows 0-3 | 4-7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(p, q, 0x20), _mm256_permute2x128_si256(p, q, 0x31));
+}
+
+// One block of 32 rows for one activation row (a decode step): out[0..31] = sum_k w[row, k] * x[k].
+// Four columns a step, with one shuffle of the weights: interleaving the 16-bit words of columns c, c+1 with
+// those of c+2, c+3 pairs each word's nibbles with the same rows of the column two along (lanes: columns
+// (c, c+2) | (c+1, c+3)). A word of column c holds rows 2j, 16+2j, 2j+1, 17+2j in its four nibbles, so shifts
+// and masks widen them in place to int16 pairs for vpmaddwd, no byte unpacking (int4_tile32 needs four
+// unpacks and two shuffles per two columns: its shuffle ports bound it). The int32 sums of each block are
+// exact, so the results are int4_tile32's bit for bit.
 template <typename T>
 void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g, const int16_t* xq,
                  const float* d, const float* xs, float* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-  // in each 128-bit lane, bytes 0-7 (column c) and 8-15 (column c + 1) interleaved into byte pairs
-  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  // (x[c], x[c+2]) in each int32 of the low lane, (x[c+1], x[c+3]) in the high one, from x[c..c+3]
+  const __m256i spread = _mm256_setr_epi8(0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5,
+                                          2, 3, 6, 7, 2, 3, 6, 7, 2, 3, 6, 7, 2, 3, 6, 7);
   __m256 acc[4];
   for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t nb = k / QB;
-  for (int64_t b = 0; b < nb; ++b) {
-    // int32 lanes summing 32 products of at most 15 * 32767 each (< 2^24: exact as a float too)
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  const int64_t nb = k / QB, blocks_per_group = g / QB;
+  const T* szg = sz;  // the scales and zeros of the block's group
+  for (int64_t b = 0, in_group = 0; b < nb; ++b) {
+    // e[half][nibble]: rows 8 * half + 2j (nibble 0), 16 + 8 * half + 2j (1), 8 * half + 2j + 1 (2),
+    // 17 + 8 * half + 2j (3), j = 0..3; each int32 lane sums at most 16 products of 15 * 32767 (< 2^23)
+    __m256i e[2][4];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 4; ++i) e[h][i] = _mm256_setzero_si256();
     const int64_t k0 = b * QB;
     for (int line = 0; line < 8; ++line)  // the block's 32 columns are 8 cache lines: fetch PREFETCH ahead
       _mm_prefetch(reinterpret_cast<const char*>(w + k0 * 16 + PREFETCH + 64 * line), _MM_HINT_T0);
-    for (int64_t c = k0; c < k0 + QB; c += 2) {
-      // columns c and c + 1 of the 32 rows: qwords (c: rows 0-7, 8-15 | c+1: rows 0-7, 8-15) -> lanes
-      // (rows 0-7 of c, of c+1 | rows 8-15 of c, of c+1) -> byte pairs (w[r, c], w[r, c + 1])
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16));
-      const __m256i t = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), pairs);
-      int32_t pair;  // (xq[c], xq[c + 1]), the int16 pair each row's pair multiplies
-      std::memcpy(&pair, xq + c, 4);
-      const __m256i xp = _mm256_set1_epi32(pair);
-      const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
-      // widened to int16 pairs: rows 0-3 | 8-11, 4-7 | 12-15, 16-19 | 24-27, 20-23 | 28-31
-      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), xp));
-      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), xp));
-      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), xp));
-      a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), xp));
+    // words 0-3 of each column (h = 0), then words 4-7 (h = 1): two passes over the block's 512 bytes (the
+    // second from L1), so that the four accumulators of a pass and its temporaries fit the 16 registers
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t c = k0; c < k0 + QB; c += 4) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16));  // c | c+1
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16 + 32));  // c+2 | c+3
+        int64_t four;
+        std::memcpy(&four, xq + c, 8);
+        const __m256i xp = _mm256_shuffle_epi8(_mm256_set1_epi64x(four), spread);
+        const __m256i t = h == 0 ? _mm256_unpacklo_epi16(v0, v1) : _mm256_unpackhi_epi16(v0, v1);
+        e[h][0] = _mm256_add_epi32(e[h][0], _mm256_madd_epi16(_mm256_and_si256(t, nibble), xp));
+        e[h][1] = _mm256_add_epi32(e[h][1], _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 4), nibble), xp));
+        e[h][2] = _mm256_add_epi32(e[h][2], _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 8), nibble), xp));
+        e[h][3] = _mm256_add_epi32(e[h][3], _mm256_madd_epi16(_mm256_srli_epi16(t, 12), xp));
+      }
     }
-    const __m256i rows[4] = {
-        _mm256_permute2x128_si256(a0, a1, 0x20), _mm256_permute2x128_si256(a0, a1, 0x31),  // 0-7, 8-15
-        _mm256_permute2x128_si256(a2, a3, 0x20), _mm256_permute2x128_si256(a2, a3, 0x31)};  // 16-23, 24-31
-    const int64_t group = k0 / g;
+    // rows 0-7, 8-15, 16-23, 24-31
+    const __m256i rows[4] = {rows_of(e[0][0], e[0][2]), rows_of(e[1][0], e[1][2]), rows_of(e[0][1], e[0][3]),
+                             rows_of(e[1][1], e[1][3])};
     const __m256 db = _mm256_set1_ps(d[b]), xsb = _mm256_set1_ps(xs[b]), eight = _mm256_set1_ps(8.f);
-    const T* szg = sz + group * n * 2;
     for (int i = 0; i < 4; ++i) {
       __m256 s, z;
       load_scale_zero<T>(szg + i * 16, s, z);
@@ -162,13 +178,17 @@ void int4_rows32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows[i]), _mm256_mul_ps(s, db), acc[i]);
       acc[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), xsb, acc[i]);
     }
+    if (++in_group == blocks_per_group) {
+      in_group = 0;
+      szg += n * 2;
+    }
   }
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
 // R activation rows (2) times one block of 32 rows of torch's AVX2 packing: each weight byte unpacked once
-// for all R rows. Each row's sums are int4_rows32's, in its order, so a row's result does not depend on the
-// rows beside it. out[r * 32 + i]; xq, d, xs of row r at r * k, r * nb, r * nb.
+// for all R rows. Each row's block sums are int4_rows32's exact int32s and its two fmas the same, so a row's
+// result does not depend on the rows beside it. out[r * 32 + i]; xq, d, xs of row r at r * k, r * nb, r * nb.
 template <typename T, int R>
 void int4_tile32(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g, const int16_t* xq,
                  const float* d, const float* xs, float* out) {
