@@ -124,6 +124,56 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
     assert torch.equal(fast.logits, slow.logits)
 
 
+@pytest.mark.parametrize(
+    ("family", "weights", "rows"),
+    [
+        ("llama", "int4", 1),
+        ("mistral", "int8", 4),
+        ("llama", "bfloat16", 1),
+        ("llama", "bfloat16", 4),  # 4 bf16 rows: F.linear, not a kernel
+        ("llama", "int4 float32", 1),  # fp32 activations: aten's norms
+        ("qwen2", "int4", 1),  # q/k/v biases
+        ("qwen3", "int8", 1),  # q/k norms
+        ("gemma3", "int4", 1),  # Gemma's norms, GeGLU and rings
+    ],
+)
+def test_a_llama_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
+    checkpoints, monkeypatch, family, weights, rows
+):
+    """kernels' llama_layer runs a whole layer step (its Python program's ops, from C++) exactly where every
+    product is tierlm's int4, int8 or one-row bf16 kernel without bias, both norms its norm kernel and the
+    layer plain Llama; the logits stay the module path's, bit for bit."""
+    weights, _, activations = weights.partition(" ")
+    quantize = weights if weights in ("int8", "int4") else None
+    model = tierlm.load(
+        checkpoints[family],
+        dtype=activations or "bfloat16",
+        quantize=quantize,
+        group_size=32 if quantize == "int4" else None,
+    )
+    names = []
+
+    def recording(*args):
+        programs = decode_programs(*args)
+        names.extend(p.__qualname__ for p in programs.by_layer)
+        return programs
+
+    monkeypatch.setattr(tierlm.model, "decode_programs", recording)
+    fast = greedy(model, PROMPTS[:rows], max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1)
+    monkeypatch.setattr(tierlm.model, "decode_programs", lambda *args: None)
+    slow = greedy(model, PROMPTS[:rows], max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1)
+    kernel_products = {
+        "int4": kernels.int4_block() is not None,
+        "int8": True,
+        "bfloat16": rows == 1 and bool(model.decoder.model.layers[0].self_attn.vector & VECTOR_KERNEL),
+    }[weights]
+    native = family in ("llama", "mistral") and not activations and kernel_products
+    assert names and set(names) == {
+        "_native.<locals>.program" if native else "layer_program.<locals>.program"
+    }
+    assert torch.equal(fast.logits, slow.logits)
+
+
 @pytest.mark.parametrize("kind", ["Linear", "Int8Linear", "Int4Linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5])

@@ -186,6 +186,12 @@ class Int8Linear(nn.Module):
             return None
         return _plus_bias(lambda x: op(x, w, scales), self.bias, dtype)
 
+    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(weight, scales, 0) where `product` is tierlm's int8 kernel alone (no bias), for a layer step that
+        calls the kernels from C++ (kernels' llama_layer: group 0 means int8); else None."""
+        chosen = self.product(rows, dtype) is not None and self.kernel and dtype in KERNEL_X_DTYPES
+        return (self.weight_int8, self.scales, 0) if chosen and self.bias is None else None
+
     @classmethod
     def fuse(cls, parts) -> Int8Linear | None:
         """One Int8Linear for several of the same input (q/k/v, gate/up): codes and scales concatenated by
@@ -302,6 +308,12 @@ class Int4Linear(nn.Module):
             return _plus_bias(lambda x: kernel(x, w, group, sz, block), self.bias, dtype)
         op = aten._weight_int4pack_mm_for_cpu
         return _plus_bias(lambda x: op(x, w, group, sz), self.bias, dtype)
+
+    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(packed weight, scales and zeros, group size) where `product` is tierlm's int4 kernel alone (no
+        bias), for a layer step that calls the kernels from C++ (kernels' llama_layer); else None."""
+        chosen = self.product(rows, dtype) is not None and self.kernel and self.bias is None
+        return (self.weight_int4, self.scales_and_zeros, self.group_size) if chosen else None
 
     @classmethod
     def fuse(cls, parts) -> Int4Linear | None:

@@ -107,13 +107,7 @@ def linear_product(
         # widened per call, as `linear` does
         return lambda x: F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
     on_cpu = weight.device.type == "cpu"
-    if (
-        rows == 1
-        and vector & VECTOR_KERNEL
-        and dtype == torch.bfloat16
-        and on_cpu
-        and _kernel_weight(weight, bias)
-    ):
+    if _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype):
         kernel = torch.ops.tierlm_avx2.bf16_mv
         return lambda x: kernel(x, weight, bias)
     bf16 = dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
@@ -122,6 +116,27 @@ def linear_product(
             return lambda x: torch.mv(weight, x.reshape(-1)).unsqueeze(0)
         return lambda x: torch.addmv(bias, weight, x.reshape(-1)).unsqueeze(0)
     return lambda x: F.linear(x, weight, bias)
+
+
+def _takes_bf16_kernel(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `linear_product` runs tierlm's one-row bf16 kernel (bf16_mv)."""
+    if widen and rows >= WIDE_ROWS and weight.numel() * 4 <= WIDE_FP32_BYTES:
+        return False
+    cpu_weight = weight.device.type == "cpu"
+    return (
+        rows == 1
+        and bool(vector & VECTOR_KERNEL)
+        and dtype == torch.bfloat16
+        and cpu_weight
+        and _kernel_weight(weight, bias)
+    )
+
+
+def linear_kernel_operands(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype):
+    """(weight, weight, -1) where `linear_product` is tierlm's one-row bf16 kernel with no bias, for a layer
+    step that calls the kernels from C++ (kernels' llama_layer: group -1 means bf16_mv); else None."""
+    takes = bias is None and _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype)
+    return (weight, weight, -1) if takes else None
 
 
 class Linear(nn.Linear):
@@ -139,6 +154,10 @@ class Linear(nn.Linear):
     def product(self, rows: int, dtype: torch.dtype) -> Product:
         """`forward` for a decode step's CPU input [rows, in_features] as a plain function (`linear_product`)."""
         return linear_product(self.weight, self.bias, self.widen, self.vector, rows, dtype)
+
+    def kernel_operands(self, rows: int, dtype: torch.dtype):
+        """`linear_kernel_operands` of this linear's product."""
+        return linear_kernel_operands(self.weight, self.bias, self.widen, self.vector, rows, dtype)
 
 
 # Which projections fuse into one matmul, as data (nano-vllm's packed-modules mapping): under each layer's
@@ -172,6 +191,13 @@ class FusedProjections:
             product = getattr(self.packed, "product", None)
             return None if product is None else product(rows, dtype)
         return linear_product(self.weight, self.bias, widen, vector, rows, dtype)
+
+    def kernel_operands(self, rows: int, dtype: torch.dtype, widen: bool, vector: int = VECTOR_EAGER):
+        """The packed linear's `kernel_operands`, or `linear_kernel_operands` of the float weight."""
+        if self.packed is not None:
+            operands = getattr(self.packed, "kernel_operands", None)
+            return None if operands is None else operands(rows, dtype)
+        return linear_kernel_operands(self.weight, self.bias, widen, vector, rows, dtype)
 
 
 def fuse_projections(*projections: nn.Module) -> FusedProjections | None:

@@ -12,6 +12,11 @@ A layer gets a program where its decode step would run tierlm's fused rotary-att
 function (`product` of linear.Linear, linear.FusedProjections and the quantized linears) and no hook
 watches it but a streamer's, where the streamer fetches and releases the layer's weights around its program
 (memory-mapped disk pages on a CPU, used in place). Any other layer runs as a module, as before.
+
+A plain Llama layer whose products are all tierlm's int4, int8 or one-row bf16 kernel (no bias) and whose norms
+are its norm kernel runs its program as one call of the kernels' `llama_layer` (`_native`), which makes the same
+calls from C++: the same bits, without ~15 calls from Python a layer (Zen 3, 2 threads, the default model in
+int4: 103 -> 119 tok/s, interleaved in one process).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tierlm.models.gemma3 import Gemma3DecoderLayer
@@ -80,6 +86,9 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
     hidden, act = layer.input_layernorm.weight.shape[0], mlp.act
     scale = d**-0.5 if attn.scale is None else attn.scale
     keys, values, decode_slots = view.keys, view.values, view.decode_slots
+    native = None if gemma or q_norm is not None else _native(layer, view, rows, dtype)
+    if native is not None:
+        return native
     attend = torch.ops.tierlm_avx2.decode_rope_attention  # checks every input it is given
 
     def program(x: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -95,6 +104,63 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
         return (x + (out if after_mlp is None else after_mlp(out))).view(rows, 1, hidden)
 
     return program
+
+
+def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Program | None:
+    """A Llama layer's program as one call of the kernels' llama_layer, which runs the Python program's ops
+    in its order from C++ (the same bits, without ~15 calls from Python a layer), where every product is
+    tierlm's int4, int8 or one-row bf16 kernel with no bias, both norms its norm kernel, the activation SiLU and the view a
+    static cache's (the written slot is the step's own); else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if mlp.act is not F.silu or not getattr(view, "writes_at_slots", False):
+        return None
+    if attn.fused is None or mlp.fused is None or not all(n._kernel_takes(dtype) for n in norms):
+        return None
+    operands = [
+        attn.fused.kernel_operands(rows, dtype, attn.widen, attn.vector),
+        _kernel_operands(attn.o_proj, rows, dtype),
+        mlp.fused.kernel_operands(rows, dtype, mlp.widen, mlp.vector),
+        _kernel_operands(mlp.down_proj, rows, dtype),
+    ]
+    linears = (attn.fused.packed, attn.o_proj, mlp.fused.packed, mlp.down_proj)
+    blocks = {m.block for m, o in zip(linears, operands) if o is not None and o[2] > 0}
+    if None in operands or len(blocks) > 1 or len({n.eps for n in norms}) > 1:
+        return None
+    weights, scales, groups = (list(column) for column in zip(*operands))
+    block, eps, hidden = next(iter(blocks), 32), norms[0].eps, norms[0].weight.shape[0]
+    shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+    scale = attn.head_dim**-0.5 if attn.scale is None else attn.scale
+    norm_in, norm_mid, keys, values = norms[0].weight, norms[1].weight, view.keys, view.values
+    step = torch.ops.tierlm_avx2.llama_layer
+
+    def program(x: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        x = step(
+            x.view(rows, hidden),
+            norm_in,
+            norm_mid,
+            eps,
+            weights,
+            scales,
+            groups,
+            block,
+            shape,
+            rope[0],
+            rope[1],
+            keys,
+            values,
+            slots,
+            mask,
+            scale,
+        )
+        return x.view(rows, 1, hidden)
+
+    return program
+
+
+def _kernel_operands(module: nn.Module, rows: int, dtype: torch.dtype):
+    operands = getattr(module, "kernel_operands", None)
+    return None if operands is None else operands(rows, dtype)
 
 
 def _projections(attn: nn.Module, rows: int, dtype: torch.dtype, heads: int, kv: int, d: int):
