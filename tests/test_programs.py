@@ -133,6 +133,7 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
         ("llama", "bfloat16", 4),  # 4 bf16 rows: F.linear, not a kernel
         ("llama", "int4 float32", 1),  # fp32 activations: aten's norms
         ("qwen2", "int4", 1),  # q/k/v biases
+        ("qwen2", "bfloat16", 1),  # biases inside the bf16 kernel's one rounding
         ("qwen3", "int8", 1),  # q/k norms
         ("gemma3", "int4", 1),  # Gemma's norms, GeGLU and rings
     ],
@@ -141,8 +142,8 @@ def test_a_llama_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
     checkpoints, monkeypatch, family, weights, rows
 ):
     """kernels' llama_layer runs a whole layer step (its Python program's ops, from C++) exactly where every
-    product is tierlm's int4, int8 or one-row bf16 kernel without bias, both norms its norm kernel and the
-    layer plain Llama; the logits stay the module path's, bit for bit."""
+    product is tierlm's int4, int8 or one-row bf16 kernel (q/k/v biases too), every norm its norm kernel (Qwen
+    3's q/k norms too) and the layer a Llama-family one; the logits stay the module path's, bit for bit."""
     weights, _, activations = weights.partition(" ")
     quantize = weights if weights in ("int8", "int4") else None
     model = tierlm.load(
@@ -167,7 +168,7 @@ def test_a_llama_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
         "int8": True,
         "bfloat16": rows == 1 and bool(model.decoder.model.layers[0].self_attn.vector & VECTOR_KERNEL),
     }[weights]
-    native = family in ("llama", "mistral") and not activations and kernel_products
+    native = family != "gemma3" and not activations and kernel_products
     assert names and set(names) == {
         "_native.<locals>.program" if native else "layer_program.<locals>.program"
     }

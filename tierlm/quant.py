@@ -186,11 +186,12 @@ class Int8Linear(nn.Module):
             return None
         return _plus_bias(lambda x: op(x, w, scales), self.bias, dtype)
 
-    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(weight, scales, 0) where `product` is tierlm's int8 kernel alone (no bias), for a layer step that
-        calls the kernels from C++ (kernels' llama_layer: group 0 means int8); else None."""
-        chosen = self.product(rows, dtype) is not None and self.kernel and dtype in KERNEL_X_DTYPES
-        return (self.weight_int8, self.scales, 0) if chosen and self.bias is None else None
+    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """(weight, scales, 0, bias in `dtype` or None) where `product` is tierlm's int8 kernel, for a layer step
+        that calls the kernels from C++ (kernels' llama_layer: group 0 means int8); else None."""
+        if self.product(rows, dtype) is None or not self.kernel or dtype not in KERNEL_X_DTYPES:
+            return None
+        return self.weight_int8, self.scales, 0, None if self.bias is None else self.bias.to(dtype)
 
     @classmethod
     def fuse(cls, parts) -> Int8Linear | None:
@@ -309,11 +310,13 @@ class Int4Linear(nn.Module):
         op = aten._weight_int4pack_mm_for_cpu
         return _plus_bias(lambda x: op(x, w, group, sz), self.bias, dtype)
 
-    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(packed weight, scales and zeros, group size) where `product` is tierlm's int4 kernel alone (no
-        bias), for a layer step that calls the kernels from C++ (kernels' llama_layer); else None."""
-        chosen = self.product(rows, dtype) is not None and self.kernel and self.bias is None
-        return (self.weight_int4, self.scales_and_zeros, self.group_size) if chosen else None
+    def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """(packed weight, scales and zeros, group size, bias in `dtype` or None) where `product` is tierlm's int4
+        kernel, for a layer step that calls the kernels from C++ (kernels' llama_layer); else None."""
+        if self.product(rows, dtype) is None or not self.kernel:
+            return None
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return self.weight_int4, self.scales_and_zeros, self.group_size, bias
 
     @classmethod
     def fuse(cls, parts) -> Int4Linear | None:

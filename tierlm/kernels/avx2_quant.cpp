@@ -1143,33 +1143,46 @@ at::Tensor bf16_mv(const at::Tensor& x, const at::Tensor& w, const std::optional
 }
 
 // One product of a layer step: int4 (group > 0: int4_mm's group size), int8 (group 0: int8_mm) or one bf16
-// row (group -1: bf16_mv, no bias; s unused)
-at::Tensor layer_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, int64_t block) {
-  if (group > 0) return int4_mm(x, w, group, s, block);
-  return group == 0 ? int8_mm(x, w, s) : bf16_mv(x, w, std::nullopt);
+// row (group -1: bf16_mv, which adds the bias before its one rounding; s unused); the quantized products add
+// their bias (in x's dtype) after, as quant's `product` functions do
+at::Tensor layer_product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t group, int64_t block,
+                         const std::optional<at::Tensor>& bias) {
+  if (group < 0) return bf16_mv(x, w, bias);
+  at::Tensor y = group > 0 ? int4_mm(x, w, group, s, block) : int8_mm(x, w, s);
+  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
 }
 
 // A Llama-family decoder layer's eager decode step over a static cache, as one call: the ops of its Python
 // layer program (tierlm/models/programs.py) in the same order on the same tensors, so the same bits, without
-// the ~15 calls from Python a layer (each a few microseconds of dispatch: a third of a batch-1 int4 step on 2
-// cores). x [rows, hidden]; products: q/k/v fused, o, gate/up fused, down (weights[i], scales[i], groups[i]);
-// shape: heads, kv heads, head size.
+// the ~15 calls from Python a layer (each a few microseconds of dispatch). x [rows, hidden]; products: q/k/v
+// fused, o, gate/up fused, down (weights[i], scales[i], groups[i], biases[i]); shape: heads, kv heads, head
+// size; q_norm and k_norm: Qwen 3's norms of each head's q and k (both or neither).
 at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& norm_in, const at::Tensor& norm_mid, double eps,
-                       at::TensorList weights, at::TensorList scales, at::IntArrayRef groups, int64_t block,
-                       at::IntArrayRef shape, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
-                       at::Tensor& values, const at::Tensor& slots, const at::Tensor& mask, double scale) {
-  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && groups.size() == 4 && shape.size() == 3,
+                       at::TensorList weights, at::TensorList scales, at::IntArrayRef groups,
+                       const c10::List<std::optional<at::Tensor>>& biases, int64_t block, at::IntArrayRef shape,
+                       const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
+                       const at::Tensor& slots, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && groups.size() == 4 && biases.size() == 4 &&
+                  shape.size() == 3,
               "llama_layer: four products (q/k/v, o, gate/up, down) and the shape (heads, kv heads, head size)");
   TORCH_CHECK(x.dim() == 2, "llama_layer: x must be [rows, hidden]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "llama_layer: q_norm and k_norm go together");
   const int64_t rows = x.size(0), heads = shape[0], kv = shape[1], d = shape[2];
-  at::Tensor qkv = layer_product(rms_norm(x, norm_in, eps, false), weights[0], scales[0], groups[0], block);
-  const std::vector<at::Tensor> q_k_v = qkv.view({rows, heads + 2 * kv, d}).split_with_sizes({heads, kv, kv}, 1);
+  auto product = [&](const at::Tensor& in, int i) {
+    return layer_product(in, weights[i], scales[i], groups[i], block, biases.get(i));
+  };
+  const at::Tensor qkv = product(rms_norm(x, norm_in, eps, false), 0).view({rows, heads + 2 * kv, d});
+  std::vector<at::Tensor> q_k_v = qkv.split_with_sizes({heads, kv, kv}, 1);
+  if (q_norm.has_value()) {
+    q_k_v[0] = rms_norm(q_k_v[0].contiguous(), *q_norm, eps, false);
+    q_k_v[1] = rms_norm(q_k_v[1].contiguous(), *k_norm, eps, false);
+  }
   at::Tensor attended = decode_rope_attention(q_k_v[0], q_k_v[1], q_k_v[2], cos, sin, keys, values, slots, mask, scale);
-  at::Tensor h = at::add(x, layer_product(attended.view({rows, -1}), weights[1], scales[1], groups[1], block));
-  const std::vector<at::Tensor> gate_up =
-      layer_product(rms_norm(h, norm_mid, eps, false), weights[2], scales[2], groups[2], block).chunk(2, -1);
+  at::Tensor h = at::add(x, product(attended.view({rows, -1}), 1));
+  const std::vector<at::Tensor> gate_up = product(rms_norm(h, norm_mid, eps, false), 2).chunk(2, -1);
   at::Tensor act = at::mul(at::silu(gate_up[0]), gate_up[1]);
-  return at::add(h, layer_product(act, weights[3], scales[3], groups[3], block));
+  return at::add(h, product(act, 3));
 }
 
 }  // namespace
@@ -1186,8 +1199,8 @@ TORCH_LIBRARY(tierlm_avx2, lib) {
   lib.def("bf16_mv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def(
       "llama_layer(Tensor x, Tensor norm_in, Tensor norm_mid, float eps, Tensor[] weights, Tensor[] scales, "
-      "int[] groups, int block, int[] shape, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
-      "Tensor slots, Tensor mask, float scale) -> Tensor");
+      "int[] groups, Tensor?[] biases, int block, int[] shape, Tensor? q_norm, Tensor? k_norm, Tensor cos, "
+      "Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {

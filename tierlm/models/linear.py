@@ -133,10 +133,10 @@ def _takes_bf16_kernel(weight, bias, widen: bool, vector: int, rows: int, dtype:
 
 
 def linear_kernel_operands(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype):
-    """(weight, weight, -1) where `linear_product` is tierlm's one-row bf16 kernel with no bias, for a layer
-    step that calls the kernels from C++ (kernels' llama_layer: group -1 means bf16_mv); else None."""
-    takes = bias is None and _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype)
-    return (weight, weight, -1) if takes else None
+    """(weight, weight, -1, bias) where `linear_product` is tierlm's one-row bf16 kernel, for a layer step that
+    calls the kernels from C++ (kernels' llama_layer: group -1 means bf16_mv); else None."""
+    takes = _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype)
+    return (weight, weight, -1, bias) if takes else None
 
 
 class Linear(nn.Linear):
