@@ -38,10 +38,10 @@ CONFIGS = {
 }
 
 
-def write_gemma3(folder, name: str):
+def write_gemma3(folder, name: str, **shape):
     import transformers
 
-    config = transformers.Gemma3TextConfig(**{**GEMMA3, **CONFIGS[name]})
+    config = transformers.Gemma3TextConfig(**{**GEMMA3, **CONFIGS[name], **shape})
     torch.manual_seed(len(name))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # Gemma's norms start at zero (a scale of 1); make them matter

@@ -38,6 +38,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("programs")
     paths = {f: write_tiny_checkpoint(root / f, f, WIDE) for f in ("llama", "qwen2", "qwen3", "mistral")}
     paths["gemma3"] = write_gemma3(root / "gemma3", "untied")  # sliding layers (rings) and full ones
+    paths["gemma3 wide"] = write_gemma3(root / "gemma3 wide", "untied", **WIDE)  # int4 q/k/v fuse
     return paths
 
 
@@ -83,7 +84,7 @@ def with_and_without_programs(model, monkeypatch, rows: int, **overrides):
     return fast, slow, layers
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gemma3 wide"])
 @pytest.mark.parametrize(
     "weights",
     [
@@ -135,15 +136,18 @@ def test_programs_give_the_module_paths_logits_bit_for_bit(checkpoints, monkeypa
         ("qwen2", "int4", 1),  # q/k/v biases
         ("qwen2", "bfloat16", 1),  # biases inside the bf16 kernel's one rounding
         ("qwen3", "int8", 1),  # q/k norms
-        ("gemma3", "int4", 1),  # Gemma's norms, GeGLU and rings
+        ("gemma3 wide", "int4", 1),  # Gemma's four norms, q/k norms, GeGLU and sliding layers' rings
+        ("gemma3 wide", "bfloat16", 1),
+        ("gemma3", "int4", 1),  # q/k/v products of 32 rows: three int4 products, not one
     ],
 )
-def test_a_llama_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
+def test_a_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
     checkpoints, monkeypatch, family, weights, rows
 ):
-    """kernels' llama_layer runs a whole layer step (its Python program's ops, from C++) exactly where every
-    product is tierlm's int4, int8 or one-row bf16 kernel (q/k/v biases too), every norm its norm kernel (Qwen
-    3's q/k norms too) and the layer a Llama-family one; the logits stay the module path's, bit for bit."""
+    """kernels' layer_step runs a whole layer step (its Python program's ops, from C++) exactly where every
+    product is one of tierlm's int4, int8 or one-row bf16 kernel (q/k/v biases too; fused q/k/v and gate/up)
+    and every norm its norm kernel (q/k norms, Gemma's four norms too); the logits stay the module path's, bit
+    for bit."""
     weights, _, activations = weights.partition(" ")
     quantize = weights if weights in ("int8", "int4") else None
     model = tierlm.load(
@@ -168,7 +172,7 @@ def test_a_llama_layer_is_one_kernel_call_where_each_of_its_ops_is_a_kernel(
         "int8": True,
         "bfloat16": rows == 1 and bool(model.decoder.model.layers[0].self_attn.vector & VECTOR_KERNEL),
     }[weights]
-    native = family != "gemma3" and not activations and kernel_products
+    native = family != "gemma3" and not activations and kernel_products  # "gemma3": unfused q/k/v
     assert names and set(names) == {
         "_native.<locals>.program" if native else "layer_program.<locals>.program"
     }

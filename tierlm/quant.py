@@ -188,7 +188,7 @@ class Int8Linear(nn.Module):
 
     def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """(weight, scales, 0, bias in `dtype` or None) where `product` is tierlm's int8 kernel, for a layer step
-        that calls the kernels from C++ (kernels' llama_layer: group 0 means int8); else None."""
+        that calls the kernels from C++ (kernels' layer_step: group 0 means int8); else None."""
         if self.product(rows, dtype) is None or not self.kernel or dtype not in KERNEL_X_DTYPES:
             return None
         return self.weight_int8, self.scales, 0, None if self.bias is None else self.bias.to(dtype)
@@ -312,7 +312,7 @@ class Int4Linear(nn.Module):
 
     def kernel_operands(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """(packed weight, scales and zeros, group size, bias in `dtype` or None) where `product` is tierlm's int4
-        kernel, for a layer step that calls the kernels from C++ (kernels' llama_layer); else None."""
+        kernel, for a layer step that calls the kernels from C++ (kernels' layer_step); else None."""
         if self.product(rows, dtype) is None or not self.kernel:
             return None
         bias = None if self.bias is None else self.bias.to(dtype)

@@ -21,7 +21,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/remainder.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -1152,37 +1154,45 @@ at::Tensor layer_product(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
 }
 
-// A Llama-family decoder layer's eager decode step over a static cache, as one call: the ops of its Python
-// layer program (tierlm/models/programs.py) in the same order on the same tensors, so the same bits, without
-// the ~15 calls from Python a layer (each a few microseconds of dispatch). x [rows, hidden]; products: q/k/v
-// fused, o, gate/up fused, down (weights[i], scales[i], groups[i], biases[i]); shape: heads, kv heads, head
-// size; q_norm and k_norm: Qwen 3's norms of each head's q and k (both or neither).
-at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& norm_in, const at::Tensor& norm_mid, double eps,
-                       at::TensorList weights, at::TensorList scales, at::IntArrayRef groups,
-                       const c10::List<std::optional<at::Tensor>>& biases, int64_t block, at::IntArrayRef shape,
-                       const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
-                       const at::Tensor& slots, const at::Tensor& mask, double scale) {
+// A decoder layer's eager decode step, as one call: the ops of its Python layer program
+// (tierlm/models/programs.py) in the same order on the same tensors, so the same bits, without the ~15 calls
+// from Python a layer (each a few microseconds of dispatch). x [rows, hidden]; products: q/k/v fused, o,
+// gate/up fused, down (weights[i], scales[i], groups[i], biases[i]); shape: heads, kv heads, head size. norms:
+// in, mid (before the MLP), then optionally q and k (Qwen 3, Gemma 3: each head's q and k), then optionally
+// after the attention and after the MLP (Gemma 3: each sublayer's output before its residual add); gemma:
+// Gemma's (1 + w) norms; gelu: GeGLU (tanh GELU), else SwiGLU; ring: a sliding layer's ring of that many
+// slots (the K/V are written at slot % ring), 0 for a static cache.
+at::Tensor layer_step(const at::Tensor& x, at::TensorList norms, double eps, bool gemma, bool gelu,
+                      at::TensorList weights, at::TensorList scales, at::IntArrayRef groups,
+                      const c10::List<std::optional<at::Tensor>>& biases, int64_t block, at::IntArrayRef shape,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
+                      const at::Tensor& slots, int64_t ring, const at::Tensor& mask, double scale) {
   TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && groups.size() == 4 && biases.size() == 4 &&
                   shape.size() == 3,
-              "llama_layer: four products (q/k/v, o, gate/up, down) and the shape (heads, kv heads, head size)");
-  TORCH_CHECK(x.dim() == 2, "llama_layer: x must be [rows, hidden]");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "llama_layer: q_norm and k_norm go together");
+              "layer_step: four products (q/k/v, o, gate/up, down) and the shape (heads, kv heads, head size)");
+  TORCH_CHECK(x.dim() == 2, "layer_step: x must be [rows, hidden]");
+  const size_t n = norms.size();
+  TORCH_CHECK(n == 2 || n == 4 || n == 6, "layer_step: norms are in and mid, then q and k, then the two after");
   const int64_t rows = x.size(0), heads = shape[0], kv = shape[1], d = shape[2];
   auto product = [&](const at::Tensor& in, int i) {
     return layer_product(in, weights[i], scales[i], groups[i], block, biases.get(i));
   };
-  const at::Tensor qkv = product(rms_norm(x, norm_in, eps, false), 0).view({rows, heads + 2 * kv, d});
+  auto norm = [&](const at::Tensor& in, size_t i) { return rms_norm(in.contiguous(), norms[i], eps, gemma); };
+  const at::Tensor qkv = product(norm(x, 0), 0).view({rows, heads + 2 * kv, d});
   std::vector<at::Tensor> q_k_v = qkv.split_with_sizes({heads, kv, kv}, 1);
-  if (q_norm.has_value()) {
-    q_k_v[0] = rms_norm(q_k_v[0].contiguous(), *q_norm, eps, false);
-    q_k_v[1] = rms_norm(q_k_v[1].contiguous(), *k_norm, eps, false);
+  if (n >= 4) {
+    q_k_v[0] = norm(q_k_v[0], 2);
+    q_k_v[1] = norm(q_k_v[1], 3);
   }
-  at::Tensor attended = decode_rope_attention(q_k_v[0], q_k_v[1], q_k_v[2], cos, sin, keys, values, slots, mask, scale);
-  at::Tensor h = at::add(x, product(attended.view({rows, -1}), 1));
-  const std::vector<at::Tensor> gate_up = product(rms_norm(h, norm_mid, eps, false), 2).chunk(2, -1);
-  at::Tensor act = at::mul(at::silu(gate_up[0]), gate_up[1]);
-  return at::add(h, product(act, 3));
+  const at::Tensor at_slots = ring > 0 ? at::remainder(slots, ring) : slots;
+  at::Tensor out = product(
+      decode_rope_attention(q_k_v[0], q_k_v[1], q_k_v[2], cos, sin, keys, values, at_slots, mask, scale).view({rows, -1}),
+      1);
+  at::Tensor h = at::add(x, n == 6 ? norm(out, 4) : out);
+  const std::vector<at::Tensor> gate_up = product(norm(h, 1), 2).chunk(2, -1);
+  at::Tensor act = at::mul(gelu ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]), gate_up[1]);
+  out = product(act, 3);
+  return at::add(h, n == 6 ? norm(out, 5) : out);
 }
 
 }  // namespace
@@ -1198,9 +1208,9 @@ TORCH_LIBRARY(tierlm_avx2, lib) {
   lib.def("copy_column(Tensor(a!)[] stores, Tensor where, int scratch) -> ()");
   lib.def("bf16_mv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def(
-      "llama_layer(Tensor x, Tensor norm_in, Tensor norm_mid, float eps, Tensor[] weights, Tensor[] scales, "
-      "int[] groups, Tensor?[] biases, int block, int[] shape, Tensor? q_norm, Tensor? k_norm, Tensor cos, "
-      "Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor mask, float scale) -> Tensor");
+      "layer_step(Tensor x, Tensor[] norms, float eps, bool gemma, bool gelu, Tensor[] weights, Tensor[] scales, "
+      "int[] groups, Tensor?[] biases, int block, int[] shape, Tensor cos, Tensor sin, Tensor(a!) keys, "
+      "Tensor(b!) values, Tensor slots, int ring, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
@@ -1211,5 +1221,5 @@ TORCH_LIBRARY_IMPL(tierlm_avx2, CPU, lib) {
   lib.impl("rms_norm", &rms_norm);
   lib.impl("copy_column", &copy_column);
   lib.impl("bf16_mv", &bf16_mv);
-  lib.impl("llama_layer", &llama_layer);
+  lib.impl("layer_step", &layer_step);
 }

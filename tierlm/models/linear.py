@@ -134,7 +134,7 @@ def _takes_bf16_kernel(weight, bias, widen: bool, vector: int, rows: int, dtype:
 
 def linear_kernel_operands(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype):
     """(weight, weight, -1, bias) where `linear_product` is tierlm's one-row bf16 kernel, for a layer step that
-    calls the kernels from C++ (kernels' llama_layer: group -1 means bf16_mv); else None."""
+    calls the kernels from C++ (kernels' layer_step: group -1 means bf16_mv); else None."""
     takes = _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype)
     return (weight, weight, -1, bias) if takes else None
 

@@ -13,10 +13,10 @@ function (`product` of linear.Linear, linear.FusedProjections and the quantized 
 watches it but a streamer's, where the streamer fetches and releases the layer's weights around its program
 (memory-mapped disk pages on a CPU, used in place). Any other layer runs as a module, as before.
 
-A plain Llama-family layer (Llama, Mistral, Qwen 2 and 3) whose products are all tierlm's int4, int8 or
-one-row bf16 kernel and whose norms are its norm kernel runs its program as one call of the kernels'
-`llama_layer` (`_native`), which makes the same calls from C++: the same bits, without ~15 calls from Python
-a layer (Zen 3, 2 threads, the default model in int4: 102-103 -> 110-119 tok/s, interleaved in one process).
+A layer whose products are all tierlm's int4, int8 or one-row bf16 kernel and whose norms are its norm kernel
+(Llama, Mistral, Qwen 2 and 3, Gemma 3) runs its program as one call of the kernels' `layer_step` (`_native`),
+which makes the same calls from C++: the same bits, without ~15 calls from Python a layer (Zen 3, 2 threads,
+the default model in int4: 102-103 -> 110-119 tok/s, interleaved in one process).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.models.gemma3 import Gemma3DecoderLayer
-from tierlm.models.layers import DecoderLayer, kernel_heads
+from tierlm.models.layers import DecoderLayer, gelu_tanh, kernel_heads
 
 Program = Callable[..., torch.Tensor]  # program(x [rows, 1, hidden], rope, mask, slots) -> x after the layer
 Around = Callable[[nn.Module, Callable[[], "Program | None"]], "Program | None"]
@@ -86,7 +86,7 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
     hidden, act = layer.input_layernorm.weight.shape[0], mlp.act
     scale = d**-0.5 if attn.scale is None else attn.scale
     keys, values, decode_slots = view.keys, view.values, view.decode_slots
-    native = None if gemma else _native(layer, view, rows, dtype)
+    native = _native(layer, view, rows, dtype, gemma)
     if native is not None:
         return native
     attend = torch.ops.tierlm_avx2.decode_rope_attention  # checks every input it is given
@@ -106,16 +106,17 @@ def layer_program(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Prog
     return program
 
 
-def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Program | None:
-    """A Llama-family layer's program as one call of the kernels' llama_layer, which runs the Python program's
-    ops in its order from C++ (the same bits, without ~15 calls from Python a layer), where every product is
-    tierlm's int4, int8 or one-row bf16 kernel (biases too), every norm (Qwen 3's q/k norms too) its norm
-    kernel with one eps, the activation SiLU and the view a static cache's (the written slot is the step's
-    own); else None."""
+def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype, gemma: bool) -> Program | None:
+    """The layer's program as one call of the kernels' layer_step, which runs the Python program's ops in its
+    order from C++ (the same bits, without ~15 calls from Python a layer), where every product is tierlm's
+    int4, int8 or one-row bf16 kernel (biases too), every norm its norm kernel with one eps and the activation
+    SiLU or Gemma's tanh GELU; else None."""
     attn, mlp = layer.self_attn, layer.mlp
+    mid = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
     qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-    norms = [layer.input_layernorm, layer.post_attention_layernorm, *(n for n in qk if n is not None)]
-    if mlp.act is not F.silu or not getattr(view, "writes_at_slots", False) or len(norms) == 3:
+    after = [layer.post_attention_layernorm, layer.post_feedforward_layernorm] if gemma else []
+    norms = [layer.input_layernorm, mid, *(n for n in qk if n is not None), *after]
+    if mlp.act not in (F.silu, gelu_tanh) or len(norms) % 2 or len({(n.eps, n.gemma) for n in norms}) > 1:
         return None
     if attn.fused is None or mlp.fused is None or not all(n._kernel_takes(dtype) for n in norms):
         return None
@@ -127,19 +128,21 @@ def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype) -> Program | 
     ]
     linears = (attn.fused.packed, attn.o_proj, mlp.fused.packed, mlp.down_proj)
     blocks = {m.block for m, o in zip(linears, operands) if o is not None and o[2] > 0}
-    if None in operands or len(blocks) > 1 or len({n.eps for n in norms}) > 1:
+    if None in operands or len(blocks) > 1:
         return None
     weights, scales, groups, biases = (list(column) for column in zip(*operands))
-    block, eps, hidden = next(iter(blocks), 32), norms[0].eps, norms[0].weight.shape[0]
+    block, hidden = next(iter(blocks), 32), layer.input_layernorm.weight.shape[0]
     shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
     scale = attn.head_dim**-0.5 if attn.scale is None else attn.scale
-    norm_in, norm_mid, keys, values = norms[0].weight, norms[1].weight, view.keys, view.values
-    q_norm, k_norm = (None, None) if qk[0] is None else (qk[0].weight, qk[1].weight)
-    step = torch.ops.tierlm_avx2.llama_layer
-    args = (norm_in, norm_mid, eps, weights, scales, groups, biases, block, shape, q_norm, k_norm)
+    ring = 0 if getattr(view, "writes_at_slots", False) else getattr(view, "ring", None)  # a sliding layer's
+    if ring is None:
+        return None
+    norm_weights, eps, gelu = [n.weight for n in norms], norms[0].eps, mlp.act is gelu_tanh
+    args = (norm_weights, eps, gemma, gelu, weights, scales, groups, biases, block, shape)
+    keys, values, step = view.keys, view.values, torch.ops.tierlm_avx2.layer_step
 
     def program(x: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        x = step(x.view(rows, hidden), *args, rope[0], rope[1], keys, values, slots, mask, scale)
+        x = step(x.view(rows, hidden), *args, rope[0], rope[1], keys, values, slots, ring, mask, scale)
         return x.view(rows, 1, hidden)
 
     return program
