@@ -116,7 +116,10 @@ def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype, gemma: bool) 
     qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     after = [layer.post_attention_layernorm, layer.post_feedforward_layernorm] if gemma else []
     norms = [layer.input_layernorm, mid, *(n for n in qk if n is not None), *after]
-    if mlp.act not in (F.silu, gelu_tanh) or len(norms) % 2 or len({(n.eps, n.gemma) for n in norms}) > 1:
+    one_of_qk = (qk[0] is None) != (qk[1] is None)
+    if mlp.act not in (F.silu, gelu_tanh) or (gemma and None in qk) or one_of_qk:
+        return None  # layer_step reads Gemma's norms after q and k's, and takes q and k norms together
+    if len({(n.eps, n.gemma) for n in norms}) > 1:
         return None
     if attn.fused is None or mlp.fused is None or not all(n._kernel_takes(dtype) for n in norms):
         return None
@@ -134,7 +137,8 @@ def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype, gemma: bool) 
     block, hidden = next(iter(blocks), 32), layer.input_layernorm.weight.shape[0]
     shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
     scale = attn.head_dim**-0.5 if attn.scale is None else attn.scale
-    ring = 0 if getattr(view, "writes_at_slots", False) else getattr(view, "ring", None)  # a sliding layer's
+    # K/V written at the step's slot (a static cache), or at slot % ring (a sliding layer's ring)
+    ring = 0 if getattr(view, "writes_at_slots", False) else getattr(view, "ring", None)
     if ring is None:
         return None
     norm_weights, eps, gelu = [n.weight for n in norms], norms[0].eps, mlp.act is gelu_tanh
