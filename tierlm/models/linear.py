@@ -107,7 +107,7 @@ def linear_product(
         # widened per call, as `linear` does
         return lambda x: F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
     on_cpu = weight.device.type == "cpu"
-    if _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype):
+    if _takes_bf16_kernel(weight, bias, vector, rows, dtype):
         kernel = torch.ops.tierlm_avx2.bf16_mv
         return lambda x: kernel(x, weight, bias)
     bf16 = dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
@@ -118,10 +118,9 @@ def linear_product(
     return lambda x: F.linear(x, weight, bias)
 
 
-def _takes_bf16_kernel(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype) -> bool:
-    """Whether `linear_product` runs tierlm's one-row bf16 kernel (bf16_mv)."""
-    if widen and rows >= WIDE_ROWS and weight.numel() * 4 <= WIDE_FP32_BYTES:
-        return False
+def _takes_bf16_kernel(weight, bias, vector: int, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `linear_product` runs tierlm's one-row bf16 kernel (bf16_mv); one row is never widened
+    (WIDE_ROWS > 1)."""
     cpu_weight = weight.device.type == "cpu"
     return (
         rows == 1
@@ -132,10 +131,10 @@ def _takes_bf16_kernel(weight, bias, widen: bool, vector: int, rows: int, dtype:
     )
 
 
-def linear_kernel_operands(weight, bias, widen: bool, vector: int, rows: int, dtype: torch.dtype):
+def linear_kernel_operands(weight, bias, vector: int, rows: int, dtype: torch.dtype):
     """(weight, weight, -1, bias) where `linear_product` is tierlm's one-row bf16 kernel, for a layer step that
     calls the kernels from C++ (kernels' layer_step: group -1 means bf16_mv); else None."""
-    takes = _takes_bf16_kernel(weight, bias, widen, vector, rows, dtype)
+    takes = _takes_bf16_kernel(weight, bias, vector, rows, dtype)
     return (weight, weight, -1, bias) if takes else None
 
 
@@ -157,7 +156,7 @@ class Linear(nn.Linear):
 
     def kernel_operands(self, rows: int, dtype: torch.dtype):
         """`linear_kernel_operands` of this linear's product."""
-        return linear_kernel_operands(self.weight, self.bias, self.widen, self.vector, rows, dtype)
+        return linear_kernel_operands(self.weight, self.bias, self.vector, rows, dtype)
 
 
 # Which projections fuse into one matmul, as data (nano-vllm's packed-modules mapping): under each layer's
@@ -192,12 +191,12 @@ class FusedProjections:
             return None if product is None else product(rows, dtype)
         return linear_product(self.weight, self.bias, widen, vector, rows, dtype)
 
-    def kernel_operands(self, rows: int, dtype: torch.dtype, widen: bool, vector: int = VECTOR_EAGER):
+    def kernel_operands(self, rows: int, dtype: torch.dtype, vector: int = VECTOR_EAGER):
         """The packed linear's `kernel_operands`, or `linear_kernel_operands` of the float weight."""
         if self.packed is not None:
             operands = getattr(self.packed, "kernel_operands", None)
             return None if operands is None else operands(rows, dtype)
-        return linear_kernel_operands(self.weight, self.bias, widen, vector, rows, dtype)
+        return linear_kernel_operands(self.weight, self.bias, vector, rows, dtype)
 
 
 def fuse_projections(*projections: nn.Module) -> FusedProjections | None:

@@ -124,9 +124,9 @@ def _native(layer: nn.Module, view, rows: int, dtype: torch.dtype, gemma: bool) 
     if attn.fused is None or mlp.fused is None or not all(n._kernel_takes(dtype) for n in norms):
         return None
     operands = [
-        attn.fused.kernel_operands(rows, dtype, attn.widen, attn.vector),
+        attn.fused.kernel_operands(rows, dtype, attn.vector),
         _kernel_operands(attn.o_proj, rows, dtype),
-        mlp.fused.kernel_operands(rows, dtype, mlp.widen, mlp.vector),
+        mlp.fused.kernel_operands(rows, dtype, mlp.vector),
         _kernel_operands(mlp.down_proj, rows, dtype),
     ]
     linears = (attn.fused.packed, attn.o_proj, mlp.fused.packed, mlp.down_proj)
