@@ -458,7 +458,7 @@ def test_infer_device_map_rejects_bad_sizes():
 
 def test_no_max_memory_uses_available_memory(monkeypatch):
     assert dm.available_memory()["cpu"] > 0
-    monkeypatch.setattr(dm, "available_memory", lambda: {"cpu": 2500})
+    monkeypatch.setattr(dm, "available_memory", lambda limit=None: {"cpu": 2500})
     placed(infer_device_map(param_bytes(4), None), ("cpu", units(4)[:2]), ("disk", units(4)[2:]))
 
 

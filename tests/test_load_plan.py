@@ -133,6 +133,24 @@ def test_tierlm_plan_prints_the_plan(tiny_checkpoints, tmp_path):
     assert f"streamed per token: {format_bytes(p.streamed_bytes['disk'])} from disk" in text
     assert f"kv cache per sequence: {format_bytes(p.kv_bytes_per_token)} per token" in text
     assert f"execution device: {p.placement.device}" in text
+    assert "memory of this process: " in text and "available (" in text
+
+
+def test_read_per_token_counts_each_tier_and_one_embedding_row(tiny_checkpoints):
+    """Every weight a token reads, once, by tier: the untied embedding gives one row; a tied one is read
+    whole as the LM head."""
+    from tierlm.plan import read_per_token
+
+    p = plan(tiny_checkpoints["llama"], dtype="float32", device_map=DISK_MAP)
+    row = p.module_bytes["model.embed_tokens"] // p.config.vocab_size
+    disk = sum(b for m, b in p.module_bytes.items() if m in p.placement.offloaded["disk"])
+    memory = sum(p.module_bytes.values()) - disk - p.module_bytes["model.embed_tokens"] + row
+    assert read_per_token(p) == {"memory": memory, "cpu": 0, "disk": disk} and disk > 0
+    assert disk == p.streamed_bytes["disk"]
+    tied = plan(tiny_checkpoints["llama_tied"], dtype="float32", quantize=None)
+    assert read_per_token(tied) == {"memory": sum(tied.module_bytes.values()), "cpu": 0, "disk": 0}
+    text = describe_plan(tiny_checkpoints["llama"], dtype="float32", device_map=DISK_MAP)
+    assert f"read per token: {format_bytes(memory)} from memory, {format_bytes(disk)} from disk" in text
 
 
 @pytest.mark.parametrize("quantize, budget_mb", [("int4", 145), ("int4", 175), ("int8", 200), (None, 180)])

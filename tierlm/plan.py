@@ -21,6 +21,7 @@ from tierlm.models.linear import FUSED_PROJECTIONS
 from tierlm.module_names import under
 from tierlm.placement.device_map import execution_device as executor_of
 from tierlm.placement.device_map import format_bytes, format_modules
+from tierlm.placement.limits import memory_limit
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve, single_device_map
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -323,8 +324,24 @@ def describe_plan(path=None, **kwargs) -> str:
     )
     streamed = [f"{format_bytes(b)} from {t}" for t, b in p.streamed_bytes.items() if b]
     lines.append("streamed per token: " + (", ".join(streamed) or "nothing (all weights resident)"))
+    read = read_per_token(p)
+    lines.append("read per token: " + ", ".join(f"{format_bytes(b)} from {t}" for t, b in read.items() if b))
+    lines.append(f"memory of this process: {memory_limit().describe()}")
     lines.append(p.decision.explain())
     return "\n".join(lines)
+
+
+def read_per_token(p: LoadPlan) -> dict[str, int]:
+    """Weight bytes one decoded token reads, by tier: "memory" (resident on the executing device), "cpu"
+    (offloaded to RAM, copied to the device), "disk". The embedding table gives one row a token, unless
+    the LM head is tied to it (then the head reads it whole)."""
+    tied_head = p.module_bytes.get("lm_head", 0) == 0 and p.config.tie_word_embeddings
+    read = dict.fromkeys(("memory", "cpu", "disk"), 0)
+    for module, size in p.module_bytes.items():
+        if module == "model.embed_tokens" and not tied_head:
+            size = size // max(1, p.config.vocab_size)
+        read[{"disk": "disk", "cpu (offloaded)": "cpu"}.get(_tier(p.placement, module), "memory")] += size
+    return read
 
 
 def _tier(placement: Placement, module: str) -> str:

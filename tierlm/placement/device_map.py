@@ -7,11 +7,12 @@ names as users write them are parsed in memory.py (its public names are re-expor
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tierlm.placement.limits import MemoryLimit, memory_limit
 from tierlm.placement.memory import checked_device, format_bytes, normalize_device, parse_max_memory
 from tierlm.placement.memory import parse_max_memory_arg as parse_max_memory_arg
 from tierlm.placement.memory import parse_memory as parse_memory
@@ -176,27 +177,17 @@ def offloaded_modules(module_map: Mapping[str, Any]) -> dict[str, list[str]]:
 # ---------------------------------------------------------------- computing a map
 
 
-def available_memory() -> dict[str, int]:
-    """Free bytes on each visible GPU and available CPU RAM, each less 10% headroom."""
+def available_memory(limit: MemoryLimit | None = None) -> dict[str, int]:
+    """Free bytes on each visible GPU and the CPU RAM this process may still use (the least of MemAvailable
+    and its memory cgroup's room: tierlm.placement.limits; `limit` when already read), each less 10% headroom."""
     import torch
 
     budgets = {}
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             budgets[f"cuda:{index}"] = int(torch.cuda.mem_get_info(index)[0] * 0.9)
-    budgets["cpu"] = int(_cpu_available() * 0.9)
+    budgets["cpu"] = int((limit or memory_limit()).available * 0.9)
     return budgets
-
-
-def _cpu_available() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def infer_device_map(
@@ -216,9 +207,13 @@ def infer_device_map(
         )
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
         raise ValueError(f"reserve_bytes {reserve_bytes!r} is not valid; give a number of bytes >= 0.")
-    budgets = available_memory() if max_memory is None else parse_max_memory(max_memory)
+    found = memory_limit() if max_memory is None else None
+    budgets = available_memory(found) if found else parse_max_memory(max_memory)
     units, leaders = _placement_units(param_bytes, tied)
-    placement = _place(units, budgets, strategy, reserve_bytes)
+    try:
+        placement = _place(units, budgets, strategy, reserve_bytes)
+    except _TooSmall as e:
+        raise ValueError(e.message(found)) from None
     placement.update({follower: placement[leader] for follower, leader in leaders.items()})
     return {unit: placement[unit] for unit in sorted(placement, key=_order_key)}
 
@@ -304,9 +299,7 @@ def _fill_with_reserve(
         if need <= reserved:
             return placement
         if need > budgets.get(executor, 0):
-            raise ValueError(
-                _too_small(executor, budgets.get(executor, 0), streamed, units[streamed], reserve)
-            )
+            raise _TooSmall(executor, budgets.get(executor, 0), streamed, units[streamed], reserve)
         reserved = need
 
 
@@ -320,9 +313,32 @@ def _fill(units: dict[str, int], devices: list[str], caps: dict[str, int]) -> di
     return placement
 
 
-def _too_small(device: str, budget: int, streamed: str, size: int, reserve: int) -> str:
-    cache = f" plus the KV cache ({format_bytes(reserve)})" if reserve else ""
-    return (
-        f"max_memory[{device!r}] = {format_bytes(budget)} is too small: the streamed layer {streamed} "
-        f"({format_bytes(size)}){cache} must fit there."
-    )
+@dataclass
+class _TooSmall(Exception):
+    """The executing device's budget cannot hold the streamed layer and the KV cache (worded by `message`)."""
+
+    device: str
+    budget: int
+    streamed: str
+    size: int
+    reserve: int
+
+    def message(self, found: MemoryLimit | None) -> str:
+        """found: the budgets are what this process may still use (available_memory), not max_memory's."""
+        cache = f" plus the KV cache ({format_bytes(self.reserve)})" if self.reserve else ""
+        need = self.size + self.reserve
+        with_headroom = -(-need * 10 // 9)  # available_memory keeps 10% back
+        what, least = (
+            f"max_memory[{self.device!r}] = {format_bytes(self.budget)}",
+            f"Give at least {format_bytes(need)}",
+        )
+        if found and self.device == "cpu":
+            limit = found
+            what = f"the memory this process may use ({limit.describe()}, less 10% headroom)"
+            least = f"Free at least {format_bytes(with_headroom)}"
+            if limit.limit is not None:  # the limit that leaves `need` beside what is in use now
+                least = f"A memory limit of at least {format_bytes(limit.limit - limit.available + with_headroom)} works"
+        elif found:
+            what = f"the free memory of {self.device} ({format_bytes(self.budget)} less 10% headroom)"
+        streamed = f"the streamed layer {self.streamed} ({format_bytes(self.size)}){cache}"
+        return f"{what} is too small: {streamed} must fit there. {least}."
