@@ -93,14 +93,19 @@ def test_compiling_shows_progress():
     assert json.loads(proc.stdout)["stats"]["compiled"] is True
 
 
-def test_the_first_load_of_a_gguf_says_it_dequantizes_it_once(tmp_path):
-    """Dequantizing a GGUF into the cache takes minutes for a large file: the first load says so."""
+def test_the_first_float_load_of_a_gguf_says_it_dequantizes_it_once(tmp_path):
+    """Dequantizing a GGUF into the cache takes minutes for a large file: the first float load says so. A
+    quantized load of the default (Q4_1: its codes as int4) reads the file itself and writes no weights."""
     fresh = {"TIERLM_CACHE_DIR": str(tmp_path)}
-    first = tierlm("generate", "--max-new-tokens", "1", "--json", "Hi", **fresh)
+    args = ("generate", "--max-new-tokens", "1", "--json", "Hi")
+    quantized = tierlm(*args, "--quantize", "int4", **fresh)
+    assert quantized.returncode == 0 and "dequantizing" not in quantized.stderr, quantized.stderr
+    assert not list(tmp_path.rglob("weights-*"))
+    first = tierlm(*args, "--quantize", "none", **fresh)
     assert first.returncode == 0, first.stderr
     assert "tierlm: dequantizing SmolLM2-135M-Instruct.Q4_1.gguf to torch." in first.stderr
     assert f"once, into {tmp_path}" in first.stderr
-    again = tierlm("generate", "--max-new-tokens", "1", "--json", "Hi", **fresh)
+    again = tierlm(*args, "--quantize", "none", **fresh)
     assert again.returncode == 0 and "dequantizing" not in again.stderr, again.stderr
 
 
@@ -220,7 +225,10 @@ def test_plan_counts_quantized_weights_at_their_packed_size():
     float_bytes = plan(dtype="bfloat16").module_bytes
     int4_plan = plan(dtype="bfloat16", quantize="int4")
     int4_bytes = int4_plan.module_bytes
-    assert int4_plan.quantization == ("int4", 32)  # the default GGUF is Q4_1: its 32-wide blocks carry over
+    assert int4_plan.quantization[:2] == (
+        "int4",
+        32,
+    )  # the default GGUF is Q4_1: its 32-wide blocks carry over
     layer = "model.layers.0"
     # q/k/v/o/gate/up/down at 4.5 bits per weight (codes + bf16 scale and zero per 32) plus the float norms
     assert 0.25 < int4_bytes[layer] / float_bytes[layer] < 0.32
@@ -248,7 +256,10 @@ def test_plan_says_whether_the_gguf_stays_packed_and_quantize_none_widens_it():
     assert default.returncode == 0, default.stderr
     first = default.stdout.splitlines()[0]
     if cpu.detect().keeps_q4_packed:
-        assert "int4 weights (group 32): the GGUF's Q4 blocks kept packed, this CPU's default" in first
+        assert (
+            "int4 weights (group 32): the GGUF's 4-bit blocks kept as int4 (their own codes), this CPU's default"
+            in first
+        )
     else:
         assert "weights" not in first
     float_weights = tierlm("plan", "--quantize", "none")

@@ -200,58 +200,65 @@ ARM = ("simulated Arm Neoverse", "SVE256", True)
 @pytest.mark.parametrize(
     "features, kernels, mode",
     [
-        (AVX2, "", "int8"),
+        (AVX2, "", "int4"),
         (AVX2, "aten", None),
-        (NATIVE_BF16, "", "int8"),
+        (NATIVE_BF16, "", "int4"),
         (NATIVE_BF16, "aten", None),
         (ARM, "", None),
     ],
     ids=["avx2", "avx2-aten-kernels", "native-bf16", "native-bf16-aten-kernels", "arm"],
 )
-def test_k_quant_projections_load_as_int8_where_the_cpu_runs_them_faster(
+def test_k_quant_projections_load_as_int4_and_int8_where_the_cpu_runs_them_faster(
     gemma_gguf, monkeypatch, features, kernels, mode
 ):
-    """quantize="auto": this file's K-quant, Q5_0 and Q8_0 projections (no Q4_0/Q4_1 blocks for int4 to keep
-    exactly) become int8 per row where tierlm's int8 kernel runs them (AVX2 and AVX512 CPUs: measured faster
-    than bf16 there), and widen to bf16 elsewhere (aten's int8 kernel, slower than bf16 at batch 8, and Arm:
-    not chosen); an explicit dtype or quantize=None keeps float weights."""
+    """quantize="auto": this file's Q4_K projections (attn_output, half the ffn_down) keep their codes as int4
+    and its other quantized ones (Q5_0, Q6_K, Q8_0) become int8 per row where tierlm's kernels run them
+    (AVX2 and AVX512 CPUs: measured faster than bf16 there); elsewhere (aten's int8 kernel, slower than
+    bf16 at batch 8, and Arm: not chosen) every weight widens to bf16; an explicit dtype or quantize=None
+    keeps float weights."""
     from tierlm import cpu
-    from tierlm.plan import Quantization, describe_plan, plan
+    from tierlm.plan import describe_plan, plan
     from tierlm.weights import gguf_cache
 
     monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuFeatures(*features))
     monkeypatch.setenv("TIERLM_CPU_KERNELS", kernels)
-    types = gguf_cache.projection_types(gemma_gguf)
-    assert not gguf_cache.q4_blocks(types) and gguf_cache.quantized_blocks(types)
-    expected = Quantization(mode, 64) if mode else None
-    assert plan(gemma_gguf).quantization == expected
+    kinds = gguf_cache.projection_kinds(gemma_gguf)
+    four_bit = sorted(m for m, t in kinds.items() if t == "Q4_K")
+    assert len(four_bit) == 27 and gguf_cache.quantized_blocks(list(kinds.values()))
+    q = plan(gemma_gguf).quantization
+    if mode is None:
+        assert q is None
+    else:
+        assert q[:2] == ("int4", 32) and sorted(q.int8) == sorted(set(kinds) - set(four_bit))
     assert plan(gemma_gguf, dtype="bfloat16").quantization is None
     assert plan(gemma_gguf, quantize=None).quantization is None
     first = describe_plan(gemma_gguf).splitlines()[0]
-    assert ("int8 weights: the GGUF's quantized blocks, this CPU's default" in first) == (mode == "int8")
+    said = "int4 weights (group 32): the GGUF's 4-bit blocks kept as int4 (their own codes), its 99 other"
+    assert (said in first) == (mode == "int4")
 
 
 def test_default_load_keeps_the_files_quality(gemma_gguf, gemma):
-    """Whatever this CPU's default is (int8 projections and head on AVX2 and AVX512, bf16 elsewhere), its perplexity on
-    the quality text is within 1% of the fp32 weights of the same file, as the issue bounds every variant
-    (measured: int8 +0.35%, bf16 -0.34%; llama.cpp on the file +1.05%). The default's weights are what the
-    plan says."""
+    """Whatever this CPU's default is (int4 Q4_K projections with their codes, int8 others and the head on AVX2
+    and AVX512, bf16 elsewhere), its perplexity on the quality text is within 1% of the fp32 weights of the
+    same file, as the issue bounds every variant (measured: int8 +0.35%, bf16 -0.34%; llama.cpp on the file
+    +1.05%). The default's weights are what the plan says."""
     from pathlib import Path
 
     from tierlm.evaluate import next_token_logits, perplexity, top1_agreement
     from tierlm.models.linear import Linear
-    from tierlm.quant import Int8Linear
+    from tierlm.quant import Int4Linear, Int8Linear
 
     text = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
     ids = gemma.tokenizer.encode(text)
     assert len(ids) >= 512
     default = tierlm.load(gemma_gguf)
-    int8 = default.plan.quantization is not None
+    quantized = default.plan.quantization is not None
     kinds = {type(m) for n, m in default.decoder.named_modules() if n.endswith("proj") or n == "lm_head"}
-    assert kinds == ({Int8Linear} if int8 else {Linear})  # tierlm's float Linear (it may widen prefill)
+    # tierlm's float Linear where not quantized (it may widen prefill)
+    assert kinds == ({Int4Linear, Int8Linear} if quantized else {Linear})
     ppl32, ppl = perplexity(gemma, ids), perplexity(default, ids)
     agreement = top1_agreement(next_token_logits(gemma, ids), next_token_logits(default, ids))
-    kind = "int8" if int8 else "float"
+    kind = "int4 + int8" if quantized else "float"
     print(f"default ({kind}): perplexity {ppl:.3f} vs fp32 {ppl32:.3f} ({ppl / ppl32 - 1:+.2%})")
     assert abs(ppl / ppl32 - 1) <= 0.01
     assert agreement > 0.75

@@ -35,6 +35,20 @@ class Loading:
     tokenizer: Tokenizer | None = None
     decoder: Decoder | None = None
     streamer: Streamer | None = None
+    blocks: GGUFCheckpoint | None = None  # a GGUF's own blocks, whose 4-bit codes int4 keeps as they are
+
+
+class _Source:
+    """The checkpoint's tensors, and the 4-bit blocks of the GGUF it was dequantized from (its cache)."""
+
+    def __init__(self, checkpoint, blocks: GGUFCheckpoint) -> None:
+        self.checkpoint, self.blocks = checkpoint, blocks
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.checkpoint.load(name)
+
+    def int4_parts(self, name: str):
+        return self.blocks.int4_parts(name)
 
 
 def execute(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> Loading:
@@ -43,7 +57,19 @@ def execute(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) 
     loading = Loading(progress)
     for name in plan.steps:
         STEPS[name](plan, loading)
+    _trim_heap()
     return loading
+
+
+def _trim_heap() -> None:
+    """Hand the freed temporaries of a load (dequantized rows, int32 codes) back to the OS: glibc keeps freed
+    heap memory in this process otherwise (~30-60 MB of RSS on the default model)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: glibc's where it is linked
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to trim
+        pass
 
 
 def check_device(placement: Placement) -> None:
@@ -66,7 +92,9 @@ def check_device(placement: Placement) -> None:
 
 
 def open_step(plan: LoadPlan, loading: Loading) -> None:
-    """The checkpoint reader and the tokenizer. GGUF weights are dequantized once into a disk cache."""
+    """The checkpoint reader and the tokenizer. A GGUF whose weights all stay in memory, quantized, is read
+    from the file itself (its 4-bit blocks as they are, the rest dequantized in memory); otherwise its
+    weights are dequantized once into a disk cache (float loads and offloaded units read that)."""
     path = plan.path
     if not is_gguf(path):
         loading.checkpoint = open_checkpoint(path)
@@ -76,18 +104,32 @@ def open_step(plan: LoadPlan, loading: Loading) -> None:
     if loading.tokenizer is None:  # first: a file without one fails before minutes of dequantizing
         loading.tokenizer = Tokenizer.from_gguf(path)
         gguf_cache.store_tokenizer(path, loading.tokenizer)
+    if plan.quantization is not None:  # int4 keeps the file's 4-bit codes
+        loading.blocks = GGUFCheckpoint.open(path)
+    if reads_file(plan):
+        loading.checkpoint = loading.blocks
+        return
     try:
         loading.checkpoint = gguf_cache.ensure(path, plan.dtype, loading.progress)
     except OSError as e:
         warnings.warn(
             f"cannot cache dequantized GGUF weights ({e}); loading from the GGUF file", stacklevel=5
         )
-        loading.checkpoint = GGUFCheckpoint(path)
+        loading.checkpoint = loading.blocks or GGUFCheckpoint(path)
+
+
+def reads_file(plan: LoadPlan) -> bool:
+    """Whether a GGUF load reads its weights from the file, with no dequantized copy on disk: every weight
+    resident on the CPU and the projections quantized (those the quantize step reads one at a time)."""
+    return plan.quantization is not None and plan.placement.resident and plan.placement.device.type == "cpu"
 
 
 def build_step(plan: LoadPlan, loading: Loading) -> None:
     placement = plan.placement
     devices = {n: _param_device(placement, n) for n in placement.param_devices}
+    if plan.quantization is not None and placement.device.type == "cpu":
+        for name in _read_by_quantize(plan):  # read one at a time by the quantize step, never as float
+            devices[name] = "meta"
     pin = placement.device.type == "cuda"
     loading.decoder = build_decoder(loading.checkpoint, plan.dtype, devices, loading.progress, pin_cpu=pin)
     if placement.device.type == "cpu":
@@ -96,6 +138,23 @@ def build_step(plan: LoadPlan, loading: Loading) -> None:
         # faster
         kernel = cpu.detect().vector_kernel and kernels.bf16_vector_product() is not None
         loading.decoder.vector_products(eager=cpu.detect().eager_mv, kernel=kernel)
+
+
+def _read_by_quantize(plan: LoadPlan) -> list[str]:
+    """The resident projection weights the quantize step reads from the checkpoint itself (not tied
+    followers, which share their leader's tensor)."""
+    from tierlm.quant import quantizes
+
+    followers = {f for _, f in plan.tied}
+    offloaded = plan.placement.offloaded["cpu"] + plan.placement.offloaded["disk"]
+    return [
+        n
+        for n in plan.placement.param_devices
+        if n.endswith(".weight")
+        and quantizes(n.removesuffix(".weight"))
+        and n not in followers
+        and not any(under(n, u) for u in offloaded)
+    ]
 
 
 def _param_device(placement: Placement, name: str):
@@ -116,7 +175,15 @@ def quantize_step(plan: LoadPlan, loading: Loading) -> None:
     from tierlm.quant import quantize_decoder
 
     offloaded = tuple(plan.placement.offloaded["cpu"] + plan.placement.offloaded["disk"])
-    quantize_decoder(loading.decoder, *plan.quantization, skip=offloaded)
+    q = plan.quantization
+    quantize_decoder(loading.decoder, q.mode, q.group, skip=offloaded, int8=q.int8, source=_source(loading))
+
+
+def _source(loading: Loading):
+    """Where the quantize steps read weights: the checkpoint, with a GGUF's own 4-bit blocks."""
+    if loading.blocks is None or loading.checkpoint is loading.blocks:
+        return loading.checkpoint
+    return _Source(loading.checkpoint, loading.blocks)
 
 
 def transpose_step(plan: LoadPlan, loading: Loading) -> None:
@@ -141,7 +208,7 @@ def stream_step(plan: LoadPlan, loading: Loading) -> None:
     order = {name: i for i, name in enumerate(placement.module_map)}
     units.sort(key=lambda u: order[u.name])
     if plan.quantization is not None:
-        units = _packed_units(plan, decoder, checkpoint, units, params)
+        units = _packed_units(plan, decoder, checkpoint, units, params, loading.blocks)
     if plan.streamed_fusion:
         units = _fused_units(plan, decoder, checkpoint, units, params)
     loading.streamer = Streamer(decoder, units, placement.device, placement.drop_disk_pages)
@@ -163,16 +230,22 @@ def _disk_sources(plan: LoadPlan, checkpoint, params: dict) -> dict[str, torch.T
 
 
 def _packed_units(
-    plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit], params: dict
+    plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit], params: dict, blocks
 ) -> list[Unit]:
     from tierlm.placement.quantized import quantize_units
 
-    placement, (mode, group) = plan.placement, plan.quantization
+    placement, q = plan.placement, plan.quantization
     names = sorted(n for n in params if placement.tier_of(n) == "disk")
     key = offload_key(checkpoint, names) if isinstance(checkpoint, SafetensorsCheckpoint) else "resident"
     identity = {"checkpoint": key, "dtype": str(plan.dtype), "sources": source_paths(checkpoint)}
-    packed: Path = plan.offload_folder / f"{key}-{mode}-g{group}-{placement.device.type}"
-    return quantize_units(decoder, units, mode, group, plan.dtype, placement.device, packed, identity)
+    if q.int8:
+        identity["int8"] = sorted(q.int8)
+    if blocks is not None:
+        identity["int4_from"] = "gguf blocks"  # streamed, they keep their own codes too (resident's tokens)
+    packed: Path = plan.offload_folder / f"{key}-{q.mode}-g{q.group}-{placement.device.type}"
+    return quantize_units(
+        decoder, units, q.mode, q.group, plan.dtype, placement.device, packed, identity, q.int8, blocks
+    )
 
 
 def _fused_units(plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit], params: dict) -> list[Unit]:
@@ -182,10 +255,18 @@ def _fused_units(plan: LoadPlan, decoder: Decoder, checkpoint, units: list[Unit]
     identity = {
         "checkpoint": offload_key(checkpoint, names),
         "dtype": str(plan.dtype),
-        "quantization": list(plan.quantization) if plan.quantization else None,
+        "quantization": _quantization_identity(plan),
         "sources": source_paths(checkpoint),
     }
     return fuse_units(decoder, units, plan.streamed_fusion, plan.offload_folder, identity)
+
+
+def _quantization_identity(plan: LoadPlan) -> list | None:
+    """The plan's quantization as JSON keeps it (mode, group, then the int8 modules when there are any)."""
+    q = plan.quantization
+    if q is None:
+        return None
+    return [q.mode, q.group] + ([sorted(q.int8)] if q.int8 else [])
 
 
 STEPS: dict[str, Callable[[LoadPlan, Loading], None]] = {

@@ -25,6 +25,7 @@ from tierlm.placement.limits import memory_limit
 from tierlm.placement.placer import Placement, kv_bytes_per_token, parameter_table, resolve, single_device_map
 from tierlm.weights import gguf_cache
 from tierlm.weights.gguf import GGUFCheckpoint
+from tierlm.weights.gguf_blocks import INT4_TYPES
 from tierlm.weights.layout import transposes_wide_weights, wide_weight_names
 from tierlm.weights.load import (
     check_tensors,
@@ -51,6 +52,14 @@ STEP_ORDER = (
 class Quantization(NamedTuple):
     mode: str  # "int8" or "int4"
     group: int  # int4 group size
+    # modules int8 under int4: by default, a GGUF's projections not stored as 4-bit blocks (Q5_0, Q6_K, Q8_0 ...)
+    int8: tuple[str, ...] = ()
+
+    def of(self, module: str) -> str:
+        """The quantization of this module: "int8" or "int4" (a module quantizes: tierlm.quant.quantizes)."""
+        from tierlm.quant import mode_of
+
+        return "int8" if module in self.int8 else mode_of(module, self.mode)
 
 
 @dataclass(frozen=True)
@@ -169,12 +178,17 @@ def _quantization(
     quantize, group_size, dtype, path: Path, device: torch.device, device_map, max_memory, execution_device
 ) -> Quantization | None:
     """What `quantize` makes of the projections. "auto" (the default), when the dtype is left to tierlm and
-    the forward runs on the CPU: a GGUF's Q4_1 projections stay packed (int4 in the file's own groups of
-    32, the LM head int8) where this CPU decodes them faster packed (`cpu.keeps_q4_packed`); a GGUF's
-    other quantized projections (Q4_0, K-quants, Q5_0, Q8_0 ...) become int8 where this CPU decodes those faster
-    (`cpu.keeps_quantized_as_int8`); otherwise every weight is float. None: float; "int8" / "int4": as
-    asked."""
-    types = functools.cache(lambda: gguf_cache.projection_types(path))  # at most one read of the header
+    the forward runs on the CPU: a GGUF's 4-bit projections (Q4_0, Q4_1, Q4_K) stay packed (int4 with the
+    file's own codes in its groups of 32, the LM head int8) where this CPU decodes them faster packed
+    (`cpu.keeps_q4_packed`); its other quantized projections (Q5_0, Q6_K, Q8_0 ...) become int8 where this
+    CPU decodes those faster (`cpu.keeps_quantized_as_int8`), beside int4 ones too; otherwise every weight
+    is float. None: float; "int8" / "int4": as asked (int4 keeps 4-bit blocks' codes at group 32, and
+    requantizes the other projections)."""
+    kinds = functools.cache(lambda: gguf_cache.projection_kinds(path))  # at most one read of the header
+
+    def types() -> list[str]:
+        return list(kinds().values())
+
     if group_size is not None and (
         isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
     ):
@@ -186,19 +200,22 @@ def _quantization(
             else "quantize=None keeps float weights"
         )
         raise ValueError(f"group_size is int4's (quantize='int4' or 'auto'); {what}")
+    int8: tuple[str, ...] = ()
     if quantize == "auto":
         quantize = None
         if dtype == "auto" and _runs_on_cpu(device, device_map, max_memory, execution_device):
             features = cpu.detect()
-            if features.keeps_q4_packed and gguf_cache.q4_1_blocks(types()):
+            mixed = features.keeps_quantized_as_int8 and gguf_cache.quantized_blocks(types())
+            four_bit = [t in INT4_TYPES for t in types()]
+            if features.keeps_q4_packed and any(four_bit) and (all(four_bit) or mixed):
                 quantize = "int4"
-            elif features.keeps_quantized_as_int8 and gguf_cache.quantized_blocks(types()):
+                int8 = tuple(m for m, t in kinds().items() if t not in INT4_TYPES)
+            elif mixed:
                 quantize = "int8"
     if quantize is None:
         return None
-    return Quantization(
-        quantize, group_size if group_size is not None else gguf_cache.default_int4_group(types())
-    )
+    group = group_size if group_size is not None else gguf_cache.default_int4_group(types())
+    return Quantization(quantize, group, int8)
 
 
 def _runs_on_cpu(device: torch.device, device_map, max_memory, execution_device) -> bool:
@@ -218,7 +235,7 @@ def _header(path: Path, dtype, device: torch.device):
     """The checkpoint (its header read, no tensor) and the compute dtype (a GGUF's cached copy, if any)."""
     if is_gguf(path):
         target = default_gguf_dtype(device) if dtype == "auto" else resolve_dtype(dtype, None, device)
-        checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint(path)
+        checkpoint = gguf_cache.open_cached(path, target) or GGUFCheckpoint.open(path)
         return checkpoint, target
     checkpoint = open_checkpoint(path)
     return checkpoint, resolve_dtype(dtype, checkpoint, device)
@@ -272,11 +289,11 @@ def _in_one_disk_unit(names: list[str], placement: Placement) -> bool:
 def _kernel(probe: Decoder, name: str, quant: Quantization | None, dtype, device: torch.device) -> str:
     """ "float", "int8" or "int4": what quantization makes of this linear, as tierlm.quant.quantize_decoder
     does (an int4 shape or dtype its kernel cannot take stays in float)."""
-    from tierlm.quant import check_int4_shape, mode_of, quantizes
+    from tierlm.quant import check_int4_shape, quantizes
 
     if quant is None or not quantizes(name):
         return "float"
-    if mode_of(name, quant.mode) == "int8":
+    if quant.of(name) == "int8":
         return "int8"
     if device.type == "cuda" and dtype != torch.bfloat16:
         return "float"
@@ -298,7 +315,13 @@ def describe_plan(path=None, **kwargs) -> str:
         else ""
     )
     if quant and kwargs.get("quantize", "auto") == "auto":
-        kept = "the GGUF's Q4 blocks kept packed" if quant.mode == "int4" else "the GGUF's quantized blocks"
+        kept = (
+            "the GGUF's 4-bit blocks kept as int4 (their own codes)"
+            if quant.mode == "int4"
+            else "the GGUF's quantized blocks"
+        )
+        if quant.int8:
+            kept += f", its {len(quant.int8)} other projections int8"
         weights += f": {kept}, this CPU's default (--quantize none: float)"
     lines = [
         f"model: {path or default_model_path()} ({cfg.architecture}, {cfg.num_layers} layers, {str(p.dtype)[6:]}{weights})",

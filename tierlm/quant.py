@@ -281,6 +281,32 @@ class Int4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
         return cls(_pack_int4(codes), scales_and_zeros, k, n, group_size, bias)
 
+    @classmethod
+    def from_parts(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        dtype: torch.dtype = torch.bfloat16,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """A CPU Int4Linear of codes given as they are (uint8 [N, K] in 0..15), with a scale and a zero
+        ([N, K/g] each) per group: a GGUF's 4-bit blocks (tierlm.weights.gguf_blocks), never requantized.
+        ValueError if the kernel cannot take the shape."""
+        n, k = codes.shape
+        group = k // scales.shape[1]
+        check_int4_shape(n, k, group, torch.device("cpu"))
+        # packed QUANTIZE_ROWS rows at a time (torch's packing is in blocks of 64 rows, so the parts
+        # concatenate): int32 codes of one part at a time
+        packed = torch.cat(
+            [_pack_int4(codes[r : r + QUANTIZE_ROWS].to(torch.int32)) for r in range(0, n, QUANTIZE_ROWS)]
+        )
+        scales_and_zeros = (
+            torch.stack([scales.to(dtype), zeros.to(dtype)], dim=-1).transpose(0, 1).contiguous()
+        )
+        bias = None if bias is None else bias.detach().to(dtype).clone()
+        return cls(packed, scales_and_zeros, k, n, group, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_and_zeros.dtype
         x2d = x.reshape(-1, self.in_features).to(dtype).contiguous()  # the kernel needs matching dtypes
@@ -423,13 +449,21 @@ def _int4_mm(x2d: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch
 
 
 def quantize_decoder(
-    decoder: nn.Module, mode: str, group_size: int = 64, skip: tuple[str, ...] = ()
+    decoder: nn.Module,
+    mode: str,
+    group_size: int = 64,
+    skip: tuple[str, ...] = (),
+    int8: tuple[str, ...] = (),
+    source=None,
 ) -> list[str]:
     """Replace every attention/MLP projection and lm_head with Int8Linear or Int4Linear, in place.
 
     Returns the names quantized. A tied embedding stays exact: lm_head quantizes its own copy. Int4
     layers whose shape the kernel cannot take stay in float (with one warning naming them). Modules under
-    a `skip` prefix (offloaded units, quantized as they stream: placement/quantized.py) are left alone.
+    a `skip` prefix (offloaded units, quantized as they stream: placement/quantized.py) are left alone;
+    modules named in `int8` are int8 whatever `mode` is. source: the checkpoint the weights the build step
+    left unread (on the meta device) come from, one at a time; int4 ones stored as 4-bit codes in groups of
+    `group_size` (a GGUF's Q4_0, Q4_1 and Q4_K blocks: its `int4_parts`) keep those codes.
     """
     check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -445,7 +479,7 @@ def quantize_decoder(
         and not any(name == p or name.startswith(p + ".") for p in skip)
     ]
     offloaded = [n for n in targets if decoder.get_submodule(n).weight.device.type == "meta"]
-    if offloaded:
+    if offloaded and source is None:
         raise ValueError(
             f"cannot quantize offloaded layers (weights not resident): {', '.join(offloaded[:3])}"
         )
@@ -454,13 +488,13 @@ def quantize_decoder(
     with torch.no_grad():
         for name in targets:
             linear = decoder.get_submodule(name)
+            kind = "int8" if name in int8 else mode_of(name, mode)
             try:
-                if mode_of(name, mode) == "int8":
-                    new = Int8Linear.from_linear(linear, dtype)
-                else:
-                    new = Int4Linear.from_linear(linear, group_size, dtype)
+                new = quantized_linear(linear, name, kind, group_size, dtype, source)
             except ValueError as e:
                 skipped.setdefault(str(e), []).append(name)
+                if linear.weight.device.type == "meta":  # it stays float: read it now
+                    linear.weight = nn.Parameter(source.load(f"{name}.weight").to(dtype), requires_grad=False)
                 continue
             parent_name, _, child = name.rpartition(".")
             parent = decoder.get_submodule(parent_name)
@@ -473,3 +507,44 @@ def quantize_decoder(
         detail = "; ".join(f"{len(names)} layers like {names[0]}: {why}" for why, names in skipped.items())
         warnings.warn(f"left {sum(map(len, skipped.values()))} layers unquantized: {detail}", stacklevel=2)
     return quantized
+
+
+def quantized_linear(
+    linear: nn.Linear, name: str, kind: str, group_size: int, dtype: torch.dtype, source=None
+) -> nn.Module:
+    """The Int8Linear or Int4Linear (`kind`) of `linear` (named `name`): int4 from a source's own 4-bit codes
+    where it stores them in groups of `group_size`, else quantized from the float weight (linear's own, or
+    the source's when linear's is on the meta device). ValueError if int4 cannot take the shape."""
+    device = linear.weight.device
+    if kind == "int4":
+        check_int4_shape(
+            linear.out_features,
+            linear.in_features,
+            group_size,
+            torch.device("cpu") if device.type == "meta" else device,
+        )
+    bias = linear.bias
+    if bias is not None and bias.device.type == "meta":
+        bias = source.load(f"{name}.bias")
+    parts = None
+    if (
+        kind == "int4"
+        and source is not None
+        and hasattr(source, "int4_parts")
+        and device.type in ("cpu", "meta")
+    ):
+        parts = source.int4_parts(f"{name}.weight")
+        if parts is not None and parts[1].shape[1] * group_size != linear.in_features:
+            parts = None  # stored in groups of another size: requantized from the float weight
+    if parts is not None:
+        return Int4Linear.from_parts(*parts, dtype=dtype, bias=bias)
+    weight = linear.weight
+    if weight.device.type == "meta":
+        weight = source.load(f"{name}.weight").to(dtype)
+    float_linear = nn.Linear(linear.in_features, linear.out_features, bias=bias is not None, device="meta")
+    float_linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        float_linear.bias = nn.Parameter(bias.to(dtype) if bias.dtype != dtype else bias, requires_grad=False)
+    if kind == "int8":
+        return Int8Linear.from_linear(float_linear, dtype)
+    return Int4Linear.from_linear(float_linear, group_size, dtype)

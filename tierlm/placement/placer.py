@@ -193,8 +193,10 @@ def parameter_table(cfg: ModelConfig, dtype: torch.dtype, quantize: tuple[str, i
         from tierlm.quant import check_mode
 
         check_mode(quantize[0])
+        int8 = set(quantize[2]) if len(quantize) > 2 else set()  # a Quantization's int8 modules
         for n, p in params.items():
-            packed = _packed_bytes(n, tuple(p.shape), *quantize, dtype)
+            mode = "int8" if n.removesuffix(".weight") in int8 else quantize[0]
+            packed = _packed_bytes(n, tuple(p.shape), mode, quantize[1], dtype)
             if packed is not None:
                 sizes[n] = packed
     return list(params), sizes, tied

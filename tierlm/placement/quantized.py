@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tierlm.placement.offload import Unit, _assign
-from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantizes
+from tierlm.quant import Int4Linear, Int8Linear, check_int4_shape, mode_of, quantized_linear, quantizes
 from tierlm.weights.files import commit_folder, filling, folder_matches, fresh_tmp_folder
 from tierlm.weights.safetensors import DTYPES, header
 from tierlm.weights.safetensors_write import write_safetensors
@@ -37,15 +37,14 @@ def _join(prefix: str, leaf: str) -> str:
     return f"{prefix}.{leaf}" if prefix else leaf
 
 
-def _quantize_linear(linear: nn.Linear, weight, bias, mode, group_size, dtype, device):
-    """A quantized module for a float weight source, packed for `device` (ValueError if int4 cannot)."""
+def _quantize_linear(linear: nn.Linear, weight, bias, mode, group_size, dtype, device, full, blocks):
+    """A quantized module for a float weight source, packed for `device` (ValueError if int4 cannot); int4
+    from `blocks`' own 4-bit codes where it stores them (a GGUF's Q4_0, Q4_1, Q4_K: tierlm.quant)."""
     tmp = nn.Linear(linear.in_features, linear.out_features, bias=bias is not None, device="meta")
     tmp.weight = nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
     if bias is not None:
         tmp.bias = nn.Parameter(bias.to(device=device, dtype=dtype, copy=True), requires_grad=False)
-    if mode == "int8":
-        return Int8Linear.from_linear(tmp, dtype)
-    return Int4Linear.from_linear(tmp, group_size, dtype)
+    return quantized_linear(tmp, full, mode, group_size, dtype, blocks)
 
 
 def _shell(linear: nn.Linear, tensors: dict[str, torch.Tensor], rel: str, mode: str, group_size: int):
@@ -106,11 +105,14 @@ def quantize_units(
     device: torch.device,
     folder: Path,
     identity: dict,
+    int8: tuple[str, ...] = (),
+    blocks=None,
 ) -> list[Unit]:
     """Units whose projections are quantized modules fed from packed sources (see the module docstring).
 
     `folder`: where the packed disk tier lives (written here when missing or stale); `identity`: what it
-    must match (checkpoint key, dtype). Linears the int4 kernel cannot take stay float, as when resident.
+    must match (checkpoint key, dtype). Linears the int4 kernel cannot take stay float, as when resident;
+    those named in `int8` are int8; `blocks`: a GGUF whose 4-bit codes int4 keeps (as quantize_decoder).
     """
     want = {**identity, "mode": mode, "group_size": group_size, "packed_for": device.type, "head": "int8"}
     want["units"] = [u.name for u in units if u.tier == "disk"]
@@ -120,7 +122,9 @@ def quantize_units(
     with filling(tmp, folder):
         for unit in units:
             stored = _mmap_all(folder / f"{unit.name}.safetensors") if unit.tier == "disk" and reuse else None
-            sources, packed = _quantize_unit(decoder, unit, mode, group_size, dtype, device, stored)
+            sources, packed = _quantize_unit(
+                decoder, unit, mode, group_size, dtype, device, stored, int8, blocks
+            )
             sources.update(_stage(packed, unit, tmp, device))
             _assign(decoder.get_submodule(unit.name), sources)  # drop the in-RAM copies now
             out.append(Unit(unit.name, unit.tier, sources))
@@ -137,6 +141,8 @@ def _quantize_unit(
     dtype: torch.dtype,
     device: torch.device,
     stored: dict[str, torch.Tensor] | None,
+    int8: tuple[str, ...] = (),
+    blocks=None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Swap the unit's linears for quantized ones, quantized now or shells over `stored` (a packed disk
     tier's tensors): (its float sources left, its packed tensors)."""
@@ -146,7 +152,7 @@ def _quantize_unit(
     for rel in _targets(module, unit.name):
         linear = module.get_submodule(rel)
         full = _join(unit.name, rel) if rel else unit.name
-        kind = mode_of(full, mode)
+        kind = "int8" if full in int8 else mode_of(full, mode)
         try:
             if kind == "int4":  # the same shapes fail every time: those linears stay float
                 check_int4_shape(linear.out_features, linear.in_features, group_size, device)
@@ -154,7 +160,7 @@ def _quantize_unit(
                 new = _shell(linear, stored, rel, kind, group_size)
             else:
                 weight, bias = sources[_join(rel, "weight")], sources.get(_join(rel, "bias"))
-                new = _quantize_linear(linear, weight, bias, kind, group_size, dtype, device)
+                new = _quantize_linear(linear, weight, bias, kind, group_size, dtype, device, full, blocks)
         except ValueError:
             continue
         for name in (_join(rel, "weight"), _join(rel, "bias")):

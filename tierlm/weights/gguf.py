@@ -11,6 +11,8 @@ from gguf.quants import dequantize
 
 from tierlm.config import ModelConfig
 from tierlm.gguf_read import metadata, open_gguf
+from tierlm.weights import gguf_blocks
+from tierlm.weights.files import file_identity
 from tierlm.weights.names import gguf_to_hf_name, unpermute_qk
 
 SUPPORTED_TYPES = (
@@ -67,6 +69,32 @@ class GGUFCheckpoint:
                     f"supported: {supported}"
                 )
 
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFCheckpoint:
+        """The file's checkpoint, its header parsed once per process while the file is unchanged (a plan, the
+        default quantization and the load all read it; parsing a large vocabulary's header takes ~0.3 s)."""
+        key = file_identity(Path(path))
+        if _opened.get("key") != key:
+            _opened.clear()
+            _opened.update(key=key, checkpoint=cls(path))
+        return _opened["checkpoint"]
+
+    def release_pages(self, name: str | None = None) -> None:
+        """Drop the file's pages (of tensor `name`, else all) from this process's resident set: MADV_DONTNEED on
+        its read-only mapping. Every tensor read is a copy, so the pages only counted against it; a later read
+        maps them again from the page cache or the file."""
+        import mmap
+
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, length = 0, len(mapping)
+        if name is not None:
+            t = self.tensors[name]
+            start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+            length = min(int(t.data_offset) + int(t.n_bytes), len(mapping)) - start
+        mapping.madvise(mmap.MADV_DONTNEED, start, length)
+
     def names(self) -> list[str]:
         return list(self.tensors)
 
@@ -80,15 +108,47 @@ class GGUFCheckpoint:
     def nbytes(self, name: str) -> int:
         return int(self.tensors[name].n_bytes)
 
-    def load(self, name: str) -> torch.Tensor:
-        """The tensor dequantized to fp32 (or its stored float dtype), in Hugging Face layout."""
+    def kind(self, name: str) -> str:
+        """The tensor's GGUF type name, e.g. "Q4_K"."""
+        return self.tensors[name].tensor_type.name
+
+    def int4_parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A projection weight stored as 4-bit codes on a grid of 32 (Q4_0, Q4_1, Q4_K) as those codes, their
+        scales and zeros in Hugging Face row order (tierlm.weights.gguf_blocks); None for another type."""
+        kind = self.kind(name)
+        if kind not in gguf_blocks.INT4_TYPES or len(self.shape(name)) != 2:
+            return None
+        rows = self.shape(name)[0]
+        order = None
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            order = unpermute_qk(torch.arange(rows), heads)
+        parts = gguf_blocks.int4_parts(self.tensors[name].data, kind, order)
+        self.release_pages(name)
+        return parts
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose q/k row permutation llama.cpp applied to this tensor, or None."""
+        cfg = self.config
+        if not cfg.family.gguf_permuted_qk:
+            return None
+        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+            return cfg.num_heads
+        if name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+            return cfg.num_kv_heads
+        return None
+
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized to fp32 (or its stored float dtype), in Hugging Face layout; dtype: blocks
+        dequantized into that dtype a chunk of rows at a time (no fp32 copy of the whole tensor)."""
         t = self.tensors[name]
         if t.tensor_type == Q.BF16:
             data = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
         elif t.tensor_type in (Q.F32, Q.F16):
             data = torch.from_numpy(np.array(t.data))
         else:
-            data = _dequantize_rows(t.data, t.tensor_type)
+            data = _dequantize_rows(t.data, t.tensor_type, dtype or torch.float32)
+        self.release_pages(name)  # `data` is a copy
         data = data.reshape(self.shape(name))
         return self._fix(name, data)
 
@@ -96,19 +156,19 @@ class GGUFCheckpoint:
         cfg = self.config
         if cfg.family.gemma_norms and name.endswith("norm.weight"):
             return data - 1.0  # llama.cpp stores Gemma's norm weights as (1 + w); HF's modules add the 1
-        if not cfg.family.gguf_permuted_qk:
-            return data
-        if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-            return unpermute_qk(data, cfg.num_heads)
-        if name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-            return unpermute_qk(data, cfg.num_kv_heads)
-        return data
+        heads = self._permuted_heads(name)
+        return data if heads is None else unpermute_qk(data, heads)
 
 
-def _dequantize_rows(raw: np.ndarray, qtype: Q, rows_per_chunk: int = 2048) -> torch.Tensor:
-    """Dequantize block by block of rows into one fp32 tensor, so temporaries stay small."""
+_opened: dict = {}  # GGUFCheckpoint.open's one parsed header
+
+
+def _dequantize_rows(
+    raw: np.ndarray, qtype: Q, dtype: torch.dtype = torch.float32, rows_per_chunk: int = 2048
+) -> torch.Tensor:
+    """Dequantize block by block of rows into one tensor of `dtype`, so temporaries stay small."""
     first = dequantize(raw[:1], qtype)
-    out = torch.empty((raw.shape[0], first.shape[-1]), dtype=torch.float32)
+    out = torch.empty((raw.shape[0], first.shape[-1]), dtype=dtype)
     for start in range(0, raw.shape[0], rows_per_chunk):
         chunk = dequantize(raw[start : start + rows_per_chunk], qtype)
         out[start : start + chunk.shape[0]] = torch.from_numpy(chunk)

@@ -17,6 +17,7 @@ from tierlm.config import ModelConfig, RopeScaling, cache_root
 from tierlm.gguf_read import is_gguf
 from tierlm.weights import safetensors_write
 from tierlm.weights.files import atomic_write, file_identity, identity_key
+from tierlm.weights.gguf_blocks import INT4_TYPES
 from tierlm.weights.safetensors import SafetensorsCheckpoint
 from tierlm.weights.temporaries import remove_stale_temporaries
 
@@ -117,38 +118,36 @@ def source_tensor_types(gguf_path: Path) -> dict[str, str]:
 
 
 def default_int4_group(types: list[str]) -> int:
-    """32 when the projections (their `projection_types`) are Q4_0/Q4_1 GGUF blocks (32 wide: a group is a
-    block), else 64."""
-    return 32 if q4_blocks(types) else 64
+    """32 when some projections (their `projection_types`) are 4-bit GGUF blocks on a grid of 32 (Q4_0, Q4_1,
+    Q4_K: a group is a block or a sub-block, whose codes int4 keeps), else 64."""
+    return 32 if any(t in INT4_TYPES for t in types) else 64
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def projection_types(path: Path) -> list[str]:
-    """The GGUF type (e.g. "Q4_1", "Q6_K", "F16") of each projection weight of `path`; [] if it is no GGUF."""
+def projection_kinds(path: Path) -> dict[str, str]:
+    """The GGUF type (e.g. "Q4_1", "Q6_K", "F16") of each projection weight of `path`, by module name (e.g.
+    "model.layers.0.mlp.down_proj"); {} if it is no GGUF."""
     from tierlm.weights.gguf import GGUFCheckpoint
 
     if not is_gguf(path):
-        return []
+        return {}
     recorded = source_tensor_types(path)  # when the dequantized cache exists
     if not recorded:  # else from the GGUF's own header (memory-mapped; no tensor is read)
-        gguf = GGUFCheckpoint(path)
+        gguf = GGUFCheckpoint.open(path)
         recorded = {n: gguf.tensors[n].tensor_type.name for n in gguf.names()}
-    return [t for n, t in recorded.items() if n.endswith("proj.weight")]
+    return {n.removesuffix(".weight"): t for n, t in recorded.items() if n.endswith("proj.weight")}
 
 
-def q4_blocks(types: list[str]) -> bool:
-    """Whether these projection types (`projection_types`) are all Q4_0/Q4_1 blocks (an int4 group of 32 is a
-    block)."""
-    return bool(types) and all(t in ("Q4_0", "Q4_1") for t in types)
+def projection_types(path: Path) -> list[str]:
+    """The GGUF type of each projection weight of `path` (`projection_kinds`' values)."""
+    return list(projection_kinds(path).values())
 
 
-def q4_1_blocks(types: list[str]) -> bool:
-    """Whether these projection types are all Q4_1 blocks: asymmetric, min to max, so int4's own min/max
-    requantization in groups of 32 lands on the file's grid (Q4_0's grid is pinned at -8 scales and rarely
-    reaches +7: requantized by min/max, a weight moves by up to half a step, +4.9% perplexity on SmolLM2)."""
-    return bool(types) and all(t == "Q4_1" for t in types)
+def int4_blocks(types: list[str]) -> bool:
+    """Whether these projection types (`projection_types`) are all 4-bit blocks whose codes int4 keeps."""
+    return bool(types) and all(t in INT4_TYPES for t in types)
 
 
 def quantized_blocks(types: list[str]) -> bool:

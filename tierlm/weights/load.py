@@ -132,8 +132,8 @@ def build_decoder(
     """The decoder with every tensor read once, straight into `dtype` on its device.
 
     devices: one device for everything, or a device per parameter name, where "disk" leaves the
-    parameter on the meta device for the offload machinery to fill. pin_cpu: pin CPU tensors (for
-    fast copies to an accelerator).
+    parameter on the meta device for the offload machinery to fill, and "meta" for the quantize step to read
+    (tierlm.quant.quantize_decoder's source). pin_cpu: pin CPU tensors (for fast copies to an accelerator).
     """
     with torch.device("meta"):
         model = Decoder(checkpoint.config)
@@ -141,7 +141,7 @@ def build_decoder(
     wanted = check_tensors(checkpoint, model)
     for i, name in enumerate(wanted):
         device = devices if isinstance(devices, torch.device) else devices[name]
-        if device == "disk":
+        if device in ("disk", "meta"):
             continue
         mapped = (
             isinstance(checkpoint, SafetensorsCheckpoint) and not pin_cpu and checkpoint.dtype(name) == dtype
@@ -149,7 +149,11 @@ def build_decoder(
         if mapped and torch.device(device).type == "cpu":
             value = checkpoint.load_mapped(name)  # zero-copy: the weights stay file-backed pages
         else:
-            value = checkpoint.load(name)
+            value = (
+                checkpoint.load(name, dtype)
+                if isinstance(checkpoint, GGUFCheckpoint)
+                else checkpoint.load(name)
+            )
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(value.shape) != expected_shape:
             raise ValueError(

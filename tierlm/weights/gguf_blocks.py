@@ -1,0 +1,80 @@
+"""GGUF blocks whose values are 4-bit codes on a grid per 32 weights (Q4_0, Q4_1, Q4_K), read as those codes:
+w = (q - 8) * scale + zero with q in 0..15, tierlm.quant's int4 convention, so the file's own codes are what
+the int4 kernels multiply by (never requantized from a dequantized copy).
+
+Per block of 32 (gguf-py's dequantize_blocks): Q4_0 w = d * (q - 8), so scale = d, zero = 0; Q4_1
+w = d * q + m, so scale = d, zero = m + 8 d; Q4_K (8 sub-blocks of 32 in a super-block of 256, 6-bit scales
+and mins) w = (d * sc) * q - dmin * mn, so scale = d * sc, zero = 8 d sc - dmin mn. The scales are exact in
+fp32 (an fp16 times a 6-bit integer); a zero is rounded once there, so a weight is within one fp32 rounding
+of gguf-py's (tests/test_gguf_blocks.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+GROUP = 32  # weights per scale and zero
+_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # weights, bytes per block
+ROWS = 1024  # rows decoded at a time: temporaries of a few MB, not the tensor's size in int32
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes per element (the last dim) as fp16, widened to fp32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A block's [..., n] bytes as 2n codes: the low nibbles first, then the high ones (ggml's order)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def decode_rows(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of `kind` blocks (uint8 [rows, bytes per row]) as (codes uint8 [rows, K], scales fp32
+    [rows, K/32], zeros fp32 [rows, K/32])."""
+    width, size = _BLOCK_BYTES[kind]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)
+    if kind == "Q4_K":
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [rows, blocks, 1]
+        s = blocks[..., 4:16]
+        lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = torch.cat([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], dim=-1).float()
+        mn = torch.cat([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], dim=-1).float()
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
+        codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # sub-block 2i: the low nibbles of chunk i
+        scales = d * sc
+        zeros = 8 * scales - dmin * mn
+    else:
+        d = _half(blocks[..., 0:2])
+        start = 2 if kind == "Q4_0" else 4
+        codes = _nibbles(blocks[..., start:])
+        scales = d
+        zeros = torch.zeros_like(d) if kind == "Q4_0" else _half(blocks[..., 2:4]) + 8 * d
+    return codes.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+def int4_parts(
+    data: np.ndarray, kind: str, row_order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF tensor's blocks (gguf-py's uint8 [rows, bytes per row], memory-mapped) as (codes uint8 [N, K],
+    scales fp32 [N, K/32], zeros fp32 [N, K/32]), read ROWS at a time; row_order: the stored row of each
+    output row (llama.cpp's q/k permutation undone), else the stored order."""
+    if kind not in INT4_TYPES:
+        raise ValueError(f"{kind} blocks are not 4-bit codes on a grid of {GROUP}")
+    n, row_bytes = data.shape
+    width, size = _BLOCK_BYTES[kind]
+    k = row_bytes // size * width
+    codes = torch.empty((n, k), dtype=torch.uint8)
+    scales = torch.empty((n, k // GROUP), dtype=torch.float32)
+    zeros = torch.empty((n, k // GROUP), dtype=torch.float32)
+    order = None if row_order is None else row_order.numpy()
+    for start in range(0, n, ROWS):
+        stop = min(start + ROWS, n)
+        picked = data[start:stop] if order is None else data[order[start:stop]]
+        raw = torch.from_numpy(
+            np.array(picked, dtype=np.uint8, copy=True)
+        )  # a private copy: the map is read-only
+        codes[start:stop], scales[start:stop], zeros[start:stop] = decode_rows(raw, kind)
+    return codes, scales, zeros
