@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup run test bench lint clean
+.PHONY: setup run test bench bench-formats lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python  # the llama.cpp column
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/quality.py
+
+bench-formats: setup  # random-weight GGUFs of Llama-3.2-1B's shape (~5 GB, written once) against llama.cpp
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python
+	$(PY) benchmarks/formats.py --shapes 1b
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports
