@@ -273,7 +273,11 @@ def test_max_memory_alone_implies_device_map_auto():
     assert implied.returncode == 0, implied.stderr
     assert "disk" in implied.stdout and "streamed per token:" in implied.stdout
     explicit = tierlm("plan", "--dtype", "float32", "--device-map", "auto", "--max-memory", "cpu=350MB")
-    assert implied.stdout == explicit.stdout
+
+    def steady(text: str) -> list[str]:  # the memory this process finds moves between two runs
+        return [line for line in text.splitlines() if not line.startswith("memory of this process:")]
+
+    assert steady(implied.stdout) == steady(explicit.stdout)
     assert "implies --device-map auto" in " ".join(tierlm("generate", "--help").stdout.split())
 
 
