@@ -46,11 +46,7 @@ class CpuFeatures:
         AMX) a bf16 layer-scope decode of the default model 24 -> 46-48 tok/s (before the realize threshold,
         which was measured on the Xeon only); on an AMX Xeon 32.6 -> 36.3 tok/s, 39.1 with the threshold (aten's
         one-row bf16 product reads ~10 GB/s inside a layer there, the fused reductions ~15). On AVX2 (no native
-        bf16) measured only as a simulation so far, a Zen 4 run at AVX2 (`ATEN_CPU_CAPABILITY=avx2`, inductor's
-        `-march=znver3`), 2026-12-04: bf16 layer-scope decode of the default model 58.8 -> 66.5 tok/s resident
-        (medians of 3 interleaved rounds), and with its layers streamed from disk 66.2-70.8 -> 73.2-74.6 tok/s,
-        1.31-1.41x -> 1.39-1.51x its eager offloaded decode (`benchmarks/offload.py --compiled-only
-        --skip-whole-step`, two rounds each); the real Zen 3 measured 1.31-1.38x without it. Other CPUs
+        bf16) faster too (docs/decisions.md, "AVX2 and the fused layer reductions"). Other CPUs
         without native bf16 (AVX512 without BF16, Arm) are not measured, so not chosen."""
         return self.capability == "AVX2" or (self.native_bf16 and self.capability == "AVX512")
 
@@ -101,9 +97,8 @@ class CpuFeatures:
         (`kernels.bf16_vector_product`, where it is built) rather than F.linear or torch.mv: with native bf16
         at AVX512 and no AMX, and at AVX2. Measured on a Zen 4, 2 threads: the default model's bf16 eager
         decode 40.6 -> 67.4 tok/s, the same 128 greedy tokens (1.4-1.7x F.linear's read of weights from
-        memory). On a Zen 3 (AVX2), 2026-12-06: the same decode 40.6 -> 50.9 tok/s (medians of 5 interleaved
-        rounds in one process, against torch.mv), the 30 layers' products read from memory at 18-19 GB/s
-        against 15 (2.3-2.9x with the weight in cache). With AMX (where torch.mv is 1.5-2x F.linear) and at
+        memory). On a Zen 3 (AVX2) faster too
+        (docs/decisions.md, "AVX2 and the one-row bf16 kernel"). With AMX (where torch.mv is 1.5-2x F.linear) and at
         AVX512 without native bf16 not measured, so not chosen."""
         return self.int_kernels and (
             self.capability == "AVX2" or (self.capability == "AVX512" and self.native_bf16 and not self.amx)

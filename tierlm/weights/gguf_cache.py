@@ -145,11 +145,6 @@ def projection_types(path: Path) -> list[str]:
     return list(projection_kinds(path).values())
 
 
-def int4_blocks(types: list[str]) -> bool:
-    """Whether these projection types (`projection_types`) are all 4-bit blocks whose codes int4 keeps."""
-    return bool(types) and all(t in INT4_TYPES for t in types)
-
-
 def quantized_blocks(types: list[str]) -> bool:
     """Whether these projection types are all quantized blocks (Q4_0 ... Q8_0, K-quants), none stored as
     floats: int8 per row then keeps about the file's quality (tierlm.plan)."""
