@@ -58,6 +58,27 @@ def test_rows_read_in_another_order_are_those_rows():
         gguf_blocks.int4_parts(raw, "Q6_K")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block", [32, 64])
+def test_codes_packed_from_the_blocks_bytes_are_torchs_packing_of_the_codes(kind, block):
+    """int4_parts(block=...) packs the codes straight from the blocks' bytes (both rows' nibbles of a byte
+    run at once, no unpacked copy): the same bytes as torch's CPU packing of the unpacked codes where this
+    torch packs in blocks of `block` rows (else as the tensor-op packing that equals it on the other x86
+    family), in stored and in a permuted row order, over more than ROWS rows; the scales are unchanged."""
+    from tierlm.quant import _cpu_pack_block, _pack_blocks, _pack_int4
+
+    raw = random_blocks((gguf_blocks.ROWS + 128, 512), kind, seed=5)
+    order = torch.randperm(raw.shape[0], generator=torch.Generator().manual_seed(1))
+    for row_order in (None, order):
+        codes, scales, zeros = gguf_blocks.int4_parts(raw, kind, row_order)
+        packed, p_scales, p_zeros = gguf_blocks.int4_parts(raw, kind, row_order, block=block)
+        want = _pack_int4(codes.to(torch.int32)) if _cpu_pack_block() == block else _pack_blocks(codes, block)
+        assert packed.shape == (raw.shape[0], 256) and torch.equal(packed, want)
+        assert torch.equal(p_scales, scales) and torch.equal(p_zeros, zeros)
+    with pytest.raises(ValueError, match="do not pack in blocks of 64"):
+        gguf_blocks.int4_parts(raw[:96], kind, block=64)
+
+
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
     """The tiny Llama with rows of 256 (K-quants' super-block): hidden 256, FFN 256, 4 heads of 64."""

@@ -404,3 +404,17 @@ def test_cuda_quantized_linear_matches_its_dequantized_reference(mode):
         codes, scales_and_zeros = quantize_int4(linear.weight, 128, dtype)
         reference_weight = dequantize_int4(codes, scales_and_zeros, 128)
     assert_matches_reference(q(x).cpu(), x.float().cpu() @ reference_weight.cpu().T + q.bias.float().cpu())
+
+
+@pytest.mark.parametrize("rows", [64, 192, 4160])
+def test_codes_packed_by_tensor_ops_equal_torchs_packing(rows):
+    """A GGUF's codes are packed by tensor ops in the layout torch's CPU packing writes (blocks of 32 rows on
+    AVX2, 64 on AVX-512); the probe finds that block on this torch and the packed bytes equal aten's for row
+    counts below, at and past one block and QUANTIZE_ROWS."""
+    from tierlm.quant import _cpu_pack_block, _pack_cpu_codes, _pack_int4
+
+    block = {"AVX2": 32, "AVX512": 64}.get(torch.backends.cpu.get_cpu_capability())
+    if block is not None:  # another capability packs as it does; aten's packing is the reference below
+        assert _cpu_pack_block() == block
+    codes = torch.randint(0, 16, (rows, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(_pack_cpu_codes(codes), _pack_int4(codes.to(torch.int32)))

@@ -47,8 +47,8 @@ class _Source:
     def load(self, name: str) -> torch.Tensor:
         return self.checkpoint.load(name)
 
-    def int4_parts(self, name: str):
-        return self.blocks.int4_parts(name)
+    def int4_parts(self, name: str, block: int | None = None):
+        return self.blocks.int4_parts(name, block)
 
 
 def execute(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> Loading:

@@ -112,9 +112,12 @@ class GGUFCheckpoint:
         """The tensor's GGUF type name, e.g. "Q4_K"."""
         return self.tensors[name].tensor_type.name
 
-    def int4_parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def int4_parts(
+        self, name: str, block: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A projection weight stored as 4-bit codes on a grid of 32 (Q4_0, Q4_1, Q4_K) as those codes, their
-        scales and zeros in Hugging Face row order (tierlm.weights.gguf_blocks); None for another type."""
+        scales and zeros in Hugging Face row order (tierlm.weights.gguf_blocks; block: the codes packed in
+        torch's CPU int4 layout of that many rows); None for another type."""
         kind = self.kind(name)
         if kind not in gguf_blocks.INT4_TYPES or len(self.shape(name)) != 2:
             return None
@@ -123,7 +126,7 @@ class GGUFCheckpoint:
         heads = self._permuted_heads(name)
         if heads is not None:
             order = unpermute_qk(torch.arange(rows), heads)
-        parts = gguf_blocks.int4_parts(self.tensors[name].data, kind, order)
+        parts = gguf_blocks.int4_parts(self.tensors[name].data, kind, order, block)
         self.release_pages(name)
         return parts
 

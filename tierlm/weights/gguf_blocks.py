@@ -37,36 +37,69 @@ def decode_rows(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
     if kind == "Q4_K":
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
+        codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # sub-block 2i: the low nibbles of chunk i
+    else:
+        codes = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4 :])
+    return (codes.reshape(rows, -1), *decode_scales(raw, kind))
+
+
+def decode_scales(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (scales, zeros) fp32 [rows, K/32] of rows of `kind` blocks."""
+    width, size = _BLOCK_BYTES[kind]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)
+    if kind == "Q4_K":
         d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [rows, blocks, 1]
         s = blocks[..., 4:16]
         lo, hi, mixed = s[..., 0:4], s[..., 4:8], s[..., 8:12]
         sc = torch.cat([lo & 63, (mixed & 15) | ((lo >> 2) & 48)], dim=-1).float()
         mn = torch.cat([hi & 63, (mixed >> 4) | ((hi >> 2) & 48)], dim=-1).float()
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
-        codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # sub-block 2i: the low nibbles of chunk i
         scales = d * sc
         zeros = 8 * scales - dmin * mn
     else:
         d = _half(blocks[..., 0:2])
-        start = 2 if kind == "Q4_0" else 4
-        codes = _nibbles(blocks[..., start:])
         scales = d
         zeros = torch.zeros_like(d) if kind == "Q4_0" else _half(blocks[..., 2:4]) + 8 * d
-    return codes.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+    return scales.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+def packed_codes(raw: torch.Tensor, kind: str, block: int) -> torch.Tensor:
+    """Rows of `kind` blocks (uint8 [rows, bytes per row], rows a multiple of `block`) as their codes in torch's
+    CPU int4 packing (uint8 [rows, K/2]: in each block of `block` rows, byte (k, j) holds column k of row j in
+    its low nibble and of row block/2 + j in its high one; tierlm.quant._pack_blocks), straight from the
+    blocks' bytes: a byte of h codes' run holds column b in its low nibble and b + h in its high one (h = 16
+    in Q4_0/Q4_1, 32 in each 64 columns of Q4_K), so the two rows' nibbles combine without unpacking."""
+    rows, size = raw.shape[0], _BLOCK_BYTES[kind][1]
+    blocks = raw.reshape(rows, -1, size)
+    h = 32 if kind == "Q4_K" else 16
+    qs = blocks[..., 16:] if kind == "Q4_K" else blocks[..., 2 if kind == "Q4_0" else 4 :]
+    qs = qs.reshape(rows // block, 2, block // 2, -1, h)  # [blocks, half, j, run, b]
+    first, second = qs[:, 0], qs[:, 1]
+    out = torch.empty((rows // block, qs.shape[3], 2, h, block // 2), dtype=torch.uint8)
+    low, high = out[:, :, 0], out[:, :, 1]  # columns b and h + b of each run: [blocks, run, b, j]
+    torch.bitwise_left_shift(second, 4, out=low.permute(0, 3, 1, 2))
+    low.permute(0, 3, 1, 2).bitwise_or_(first & 15)
+    torch.bitwise_and(second, 0xF0, out=high.permute(0, 3, 1, 2))
+    high.permute(0, 3, 1, 2).bitwise_or_(first >> 4)
+    return out.view(rows, -1)
 
 
 def int4_parts(
-    data: np.ndarray, kind: str, row_order: torch.Tensor | None = None
+    data: np.ndarray, kind: str, row_order: torch.Tensor | None = None, block: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF tensor's blocks (gguf-py's uint8 [rows, bytes per row], memory-mapped) as (codes uint8 [N, K],
     scales fp32 [N, K/32], zeros fp32 [N, K/32]), read ROWS at a time; row_order: the stored row of each
-    output row (llama.cpp's q/k permutation undone), else the stored order."""
+    output row (llama.cpp's q/k permutation undone), else the stored order; block: the codes come packed
+    instead, uint8 [N, K/2] in torch's CPU int4 layout of `block` rows (`packed_codes`; N a multiple of it)."""
     if kind not in INT4_TYPES:
         raise ValueError(f"{kind} blocks are not 4-bit codes on a grid of {GROUP}")
     n, row_bytes = data.shape
     width, size = _BLOCK_BYTES[kind]
     k = row_bytes // size * width
-    codes = torch.empty((n, k), dtype=torch.uint8)
+    if block is not None and (n % block or ROWS % block):
+        raise ValueError(f"{n} rows do not pack in blocks of {block}")
+    codes = torch.empty((n, k if block is None else k // 2), dtype=torch.uint8)
     scales = torch.empty((n, k // GROUP), dtype=torch.float32)
     zeros = torch.empty((n, k // GROUP), dtype=torch.float32)
     order = None if row_order is None else row_order.numpy()
@@ -76,5 +109,9 @@ def int4_parts(
         raw = torch.from_numpy(
             np.array(picked, dtype=np.uint8, copy=True)
         )  # a private copy: the map is read-only
-        codes[start:stop], scales[start:stop], zeros[start:stop] = decode_rows(raw, kind)
+        if block is None:
+            codes[start:stop], scales[start:stop], zeros[start:stop] = decode_rows(raw, kind)
+        else:
+            codes[start:stop] = packed_codes(raw, kind, block)
+            scales[start:stop], zeros[start:stop] = decode_scales(raw, kind)
     return codes, scales, zeros
