@@ -64,7 +64,7 @@ class CompileConfig:
     mode None means "reduce-overhead" on CUDA for scope "model" ("default" for scope "layer", which CUDA
     graphs cannot serve); on CPU "max-autotune-no-cudagraphs" for scope "model" (inductor's C++ GEMM
     kernels on frozen, prepacked weights: 120 tok/s bf16 on the default model against 57 with mode
-    "default", for a ~2 min compile instead of ~50 s; see README's compile section) and "default" for scope "layer".
+    "default", for a ~2 min compile instead of ~50 s; see docs/compile.md) and "default" for scope "layer".
     freezing None means on for CPU (weights become graph constants and are prepacked; only scope "model"
     freezes, and only resident models get it, so no streamed weight is ever frozen).
     cpp_wrapper (inductor's C++ wrapper instead of its Python one) trims per-call overhead at the cost of

@@ -78,7 +78,7 @@ class CpuFeatures:
         Q4_K_M, eager: on a Zen 3 (AVX2) 1.45x bf16's decode and 1.7x its prefill at batch 1, 2.9x its decode
         at batch 8; perplexity +0.35% over fp32 (bf16 -0.34%, llama.cpp on the file +1.05%). aten's int8
         product is slower than bf16 at batch 8 on both kinds measured (AVX2; an AVX-512 Xeon), which is why
-        it takes tierlm's kernel (README, Gemma 3: the AVX-512 Xeon's measurements)."""
+        it takes tierlm's kernel (docs/decisions.md, "int8 for a GGUF's other quantized projections")."""
         return self.int_kernels
 
     @property
