@@ -181,7 +181,7 @@ def _describe_offload(folder: Path) -> str:
 
 
 def _describe_aot(folder: Path) -> str:
-    """ "compiled step of SmolLM2.gguf: batch 1, cache 512, bfloat16, int8; built 2026-11-30 15:40 UTC"."""
+    """ "compiled step of SmolLM2.gguf: batch 1, cache 512, bfloat16, int8; built <UTC time>"."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         key = manifest["key"]

@@ -30,25 +30,28 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
+def _code_bytes(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """The code bytes of rows of `kind` blocks: uint8 [rows, blocks, bytes of codes per block]."""
+    blocks = raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[kind][1])
+    return blocks[..., {"Q4_0": 2, "Q4_1": 4, "Q4_K": 16}[kind] :]  # after the block's scales
+
+
 def decode_rows(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of `kind` blocks (uint8 [rows, bytes per row]) as (codes uint8 [rows, K], scales fp32
     [rows, K/32], zeros fp32 [rows, K/32])."""
-    width, size = _BLOCK_BYTES[kind]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, size)
     if kind == "Q4_K":
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
+        qs = _code_bytes(raw, kind).reshape(rows, -1, 4, 32)
         codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # sub-block 2i: the low nibbles of chunk i
     else:
-        codes = _nibbles(blocks[..., 2 if kind == "Q4_0" else 4 :])
+        codes = _nibbles(_code_bytes(raw, kind))
     return (codes.reshape(rows, -1), *decode_scales(raw, kind))
 
 
 def decode_scales(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The (scales, zeros) fp32 [rows, K/32] of rows of `kind` blocks."""
-    width, size = _BLOCK_BYTES[kind]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, size)
+    blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind][1])
     if kind == "Q4_K":
         d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [rows, blocks, 1]
         s = blocks[..., 4:16]
@@ -70,11 +73,9 @@ def packed_codes(raw: torch.Tensor, kind: str, block: int) -> torch.Tensor:
     its low nibble and of row block/2 + j in its high one; tierlm.quant._pack_blocks), straight from the
     blocks' bytes: a byte of h codes' run holds column b in its low nibble and b + h in its high one (h = 16
     in Q4_0/Q4_1, 32 in each 64 columns of Q4_K), so the two rows' nibbles combine without unpacking."""
-    rows, size = raw.shape[0], _BLOCK_BYTES[kind][1]
-    blocks = raw.reshape(rows, -1, size)
+    rows = raw.shape[0]
     h = 32 if kind == "Q4_K" else 16
-    qs = blocks[..., 16:] if kind == "Q4_K" else blocks[..., 2 if kind == "Q4_0" else 4 :]
-    qs = qs.reshape(rows // block, 2, block // 2, -1, h)  # [blocks, half, j, run, b]
+    qs = _code_bytes(raw, kind).reshape(rows // block, 2, block // 2, -1, h)  # [blocks, half, j, run, b]
     first, second = qs[:, 0], qs[:, 1]
     out = torch.empty((rows // block, qs.shape[3], 2, h, block // 2), dtype=torch.uint8)
     low, high = out[:, :, 0], out[:, :, 1]  # columns b and h + b of each run: [blocks, run, b, j]
@@ -97,7 +98,7 @@ def int4_parts(
     n, row_bytes = data.shape
     width, size = _BLOCK_BYTES[kind]
     k = row_bytes // size * width
-    if block is not None and (n % block or ROWS % block):
+    if block is not None and n % block:  # ROWS is a multiple of every block (32, 64)
         raise ValueError(f"{n} rows do not pack in blocks of {block}")
     codes = torch.empty((n, k if block is None else k // 2), dtype=torch.uint8)
     scales = torch.empty((n, k // GROUP), dtype=torch.float32)
