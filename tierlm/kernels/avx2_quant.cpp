@@ -297,8 +297,8 @@ void int4_rows64(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
   for (int64_t b = 0; b < nb; ++b) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     const int64_t k0 = b * QB;
-    for (int line = 0; line < 16; ++line)  // the block's 32 columns are 16 cache lines
-      _mm_prefetch(reinterpret_cast<const char*>(w + k0 * 32 + PREFETCH + 64 * line), _MM_HINT_T0);
+    // no software prefetch at one row: the hardware prefetcher streams it better (from DRAM, a Zen 4, 2 threads:
+    // 23-25 GB/s without, 18-19 GB/s with it; a 1B Q4_0 decodes 30-39 tok/s, not 23-27; docs/decisions.md)
     for (int64_t c = k0; c < k0 + QB; c += 2) {
       const __m512i v = _mm512_loadu_si512(w + c * 32);
       const __m512i t = _mm512_shuffle_epi8(_mm512_permutexvar_epi64(order, v), pairs);
