@@ -320,6 +320,12 @@ void int4_rows64(const uint8_t* w, const T* sz, int64_t n, int64_t k, int64_t g,
     const int64_t group = k0 / g;
     const __m512 db = _mm512_set1_ps(d[b]), xsb = _mm512_set1_ps(xs[b]), eight = _mm512_set1_ps(8.f);
     const T* szg = sz + group * n * 2;
+    // the scales and zeros of 4 blocks ahead, N * 2 apart per group, which no hardware stream follows (from
+    // DRAM, Zen 4: 27-28 GB/s with, 22-25 without)
+    if (k0 + 4 * QB < k) {
+      const char* next = reinterpret_cast<const char*>(sz + (k0 + 4 * QB) / g * n * 2);
+      for (int line = 0; line < int(64 * 2 * sizeof(T)); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
     for (int i = 0; i < 4; ++i) {
       __m512 s, z;
       load_scale_zero16<T>(szg + i * 32, s, z);
