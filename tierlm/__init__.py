@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tierlm.compile import CompileConfig, CompileSkippedWarning
     from tierlm.config import ModelConfig
+    from tierlm.errors import ModelFileError, OptionError, PlacementError, RequestError, TierlmError
     from tierlm.generation.config import GenerationConfig
     from tierlm.model import Model, load
 
@@ -20,9 +21,23 @@ _EXPORTS = {
     "Model": "tierlm.model",
     "ModelConfig": "tierlm.config",
     "load": "tierlm.model",
+    **{name: "tierlm.errors" for name in ("ModelFileError", "OptionError", "PlacementError", "RequestError")},
+    "TierlmError": "tierlm.errors",
 }
 
-__all__ = ["CompileConfig", "CompileSkippedWarning", "GenerationConfig", "Model", "ModelConfig", "load"]
+__all__ = [
+    "CompileConfig",
+    "CompileSkippedWarning",
+    "GenerationConfig",
+    "Model",
+    "ModelConfig",
+    "ModelFileError",
+    "OptionError",
+    "PlacementError",
+    "RequestError",
+    "TierlmError",
+    "load",
+]
 
 
 def __getattr__(name: str) -> Any:

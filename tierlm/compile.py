@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tierlm.config import cache_root
+from tierlm.errors import OptionError
 from tierlm.placement.device_map import execution_device, format_modules, offloaded_modules
 
 
@@ -25,7 +26,7 @@ def use_inductor_cache() -> str:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     folder = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     if any(c.isspace() or c in "'\"\\" for c in folder):
-        raise ValueError(
+        raise OptionError(
             f"torch inductor cannot compile in {folder!r}: its compiler commands break at whitespace, quotes "
             "and backslashes in that path; set TIERLM_CACHE_DIR (or TORCHINDUCTOR_CACHE_DIR) to one without"
         )
@@ -88,7 +89,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
-            raise ValueError(f"CompileConfig.scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+            raise OptionError(f"CompileConfig.scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
         for name in ("fullgraph", "dynamic", "freezing", "cpp_wrapper"):
             value, optional = (
                 getattr(self, name),
@@ -96,7 +97,7 @@ class CompileConfig:
             )  # dynamic=None: torch.compile's default
             if not isinstance(value, bool) and not (value is None and optional):
                 valid = "True or False" + (" or None" if optional else "")
-                raise ValueError(f"CompileConfig.{name} must be {valid}, got {value!r}")
+                raise OptionError(f"CompileConfig.{name} must be {valid}, got {value!r}")
         _check_backend(self.backend)
         if self.mode is not None:
             _check_mode(self.mode)
@@ -169,35 +170,35 @@ def _check_backend(backend: Any) -> None:
     if callable(backend) or backend == "inductor":
         return
     if not isinstance(backend, str):
-        raise ValueError(f"CompileConfig.backend must be a backend name or a callable, got {backend!r}")
+        raise OptionError(f"CompileConfig.backend must be a backend name or a callable, got {backend!r}")
     import torch._dynamo
 
     names = torch._dynamo.list_backends(exclude_tags=())
     if backend not in names:
         close = difflib.get_close_matches(backend, names, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "e.g. 'inductor', 'eager', 'aot_eager'"
-        raise ValueError(f"CompileConfig.backend {backend!r} is not a torch.compile backend ({hint})")
+        raise OptionError(f"CompileConfig.backend {backend!r} is not a torch.compile backend ({hint})")
 
 
 def _check_mode(mode: Any) -> None:
     if mode in KNOWN_MODES:
         return
     if not isinstance(mode, str):
-        raise ValueError(f"CompileConfig.mode must be None or a torch.compile mode name, got {mode!r}")
+        raise OptionError(f"CompileConfig.mode must be None or a torch.compile mode name, got {mode!r}")
     import torch._inductor
 
     try:
         torch._inductor.list_mode_options(mode)  # a mode a newer torch added passes
     except RuntimeError as e:
-        raise ValueError(f"CompileConfig.mode: {e}") from None
+        raise OptionError(f"CompileConfig.mode: {e}") from None
 
 
 def _check_options(options: Any, backend: Any) -> None:
     """inductor's options (torch.compile takes them only for inductor): a dict of its config names."""
     if backend != "inductor":
-        raise ValueError(f"CompileConfig.options are inductor's; backend {backend!r} takes none")
+        raise OptionError(f"CompileConfig.options are inductor's; backend {backend!r} takes none")
     if not isinstance(options, Mapping):
-        raise ValueError(f"CompileConfig.options must be a dict of inductor option names, got {options!r}")
+        raise OptionError(f"CompileConfig.options must be a dict of inductor option names, got {options!r}")
     import torch._inductor.config
 
     known = torch._inductor.config.get_config_copy()
@@ -205,7 +206,7 @@ def _check_options(options: Any, backend: Any) -> None:
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"CompileConfig.options: {key!r} is not an inductor option{hint}")
+            raise OptionError(f"CompileConfig.options: {key!r} is not an inductor option{hint}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierlm.errors import ModelFileError
 from tierlm.families import FULL, GGUF_SLIDING_PATTERN, MODEL_TYPES, SLIDING, Family, family_for
 
 
@@ -44,14 +45,14 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in (*ROPE_TYPES, "freq_factors"):
-            raise ValueError(
+            raise ModelFileError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
             )
         object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))  # JSON: a list
         if (self.rope_type == "freq_factors") != bool(self.freq_factors) or not all(
             0 < f < float("inf") for f in self.freq_factors
         ):
-            raise ValueError(
+            raise ModelFileError(
                 "rope frequency factors must be positive and finite, given with type freq_factors"
             )
 
@@ -90,19 +91,19 @@ class ModelConfig:
         family_for(self.architecture)  # raises on unsupported architectures
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
-                raise ValueError(
+                raise ModelFileError(
                     f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}"
                 )
             odd = sorted(set(self.layer_types) - {SLIDING, FULL})
             if odd:
-                raise ValueError(f"unsupported layer type(s) {odd}; supported: {SLIDING}, {FULL}")
+                raise ModelFileError(f"unsupported layer type(s) {odd}; supported: {SLIDING}, {FULL}")
             if SLIDING in self.layer_types and not self.sliding_window:
-                raise ValueError("layer_types has sliding layers but sliding_window is not set")
+                raise ModelFileError("layer_types has sliding layers but sliding_window is not set")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"config {name} must be positive, got {getattr(self, name)}")
+                raise ModelFileError(f"config {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ModelFileError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
@@ -143,11 +144,11 @@ class ModelConfig:
     def from_hf_dict(cls, raw: Any, source: str = "config.json") -> ModelConfig:
         """Build from the contents of a Hugging Face config.json; errors name `source` and the field."""
         if not isinstance(raw, dict):
-            raise ValueError(f"{source} must hold a JSON object, got {type(raw).__name__}")
+            raise ModelFileError(f"{source} must hold a JSON object, got {type(raw).__name__}")
         try:
             return cls._from_hf(raw)
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            raise ModelFileError(f"{source}: {e}") from None
 
     @classmethod
     def _from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -190,7 +191,7 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{source} is not valid JSON: {e}") from None
+            raise ModelFileError(f"{source} is not valid JSON: {e}") from None
         return cls.from_hf_dict(raw, source)
 
     @classmethod
@@ -202,7 +203,7 @@ class ModelConfig:
         arch_name = meta.get("general.architecture")
         if arch_name not in MODEL_TYPES:
             supported = ", ".join(MODEL_TYPES)
-            raise ValueError(f"unsupported GGUF architecture {arch_name!r}; supported: {supported}")
+            raise ModelFileError(f"unsupported GGUF architecture {arch_name!r}; supported: {supported}")
         prefix = f"{arch_name}."
         keys = {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
 
@@ -251,18 +252,20 @@ def _gguf_rotary(
     scaling = _gguf_rope_scaling(keys, prefix)
     rotated = positive_int(keys, "rope.dimension_count", head_dim, prefix)
     if rotated != head_dim:
-        raise ValueError(
+        raise ModelFileError(
             f"{prefix}rope.dimension_count {rotated} rotates part of a {head_dim}-wide head "
             "(partial rotary), which these architectures do not have"
         )
     if rope_freqs is None:
         return scaling
     if len(rope_freqs) != head_dim // 2:
-        raise ValueError(
+        raise ModelFileError(
             f"rope_freqs has {len(rope_freqs)} factors, head_dim {head_dim} needs {head_dim // 2}"
         )
     if scaling.rope_type != "default":
-        raise ValueError(f"rope_freqs beside rope scaling {scaling.rope_type!r}: which applies is unclear")
+        raise ModelFileError(
+            f"rope_freqs beside rope scaling {scaling.rope_type!r}: which applies is unclear"
+        )
     return RopeScaling("freq_factors", freq_factors=tuple(rope_freqs))
 
 
@@ -276,14 +279,14 @@ def _gguf_rope_scaling(keys: dict[str, Any], prefix: str) -> RopeScaling:
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
     if kind != "yarn":
-        raise ValueError(f"unsupported rope scaling type {kind!r} in {prefix}rope.scaling.type")
+        raise ModelFileError(f"unsupported rope scaling type {kind!r} in {prefix}rope.scaling.type")
     for key, neutral in (
         ("rope.scaling.yarn_log_multiplier", (0.0,)),  # DeepSeek's attention scale
         ("rope.scaling.yarn_ext_factor", (-1.0, 1.0)),  # -1: llama.cpp's "1 for yarn"
         ("rope.scaling.attn_factor", (1.0,)),
     ):
         if keys.get(key, neutral[0]) not in neutral:
-            raise ValueError(f"unsupported {prefix}{key} {keys[key]!r}")
+            raise ModelFileError(f"unsupported {prefix}{key} {keys[key]!r}")
     return RopeScaling(
         "yarn",
         factor=factor,
@@ -319,7 +322,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     if isinstance(archs, str):
         archs = [archs]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ValueError(f'field "architectures" must be a list of names, got {_shown(archs)}')
+        raise ModelFileError(f'field "architectures" must be a list of names, got {_shown(archs)}')
     if archs:
         arch = archs[0]
     elif raw.get("model_type") in MODEL_TYPES:
@@ -335,13 +338,15 @@ def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScali
     keyed by layer type) or v4 (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) keys."""
     params = raw.get("rope_parameters") or {}
     if not isinstance(params, dict):
-        raise ValueError(f'field "rope_parameters" must be an object, got {_shown(params)}')
+        raise ModelFileError(f'field "rope_parameters" must be an object, got {_shown(params)}')
     if FULL in params or SLIDING in params:
         full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
         if not isinstance(full, dict) or not isinstance(local, dict):
-            raise ValueError(f'field "rope_parameters" must map layer types to objects, got {_shown(params)}')
+            raise ModelFileError(
+                f'field "rope_parameters" must map layer types to objects, got {_shown(params)}'
+            )
         if (local.get("rope_type") or "default") != "default":
-            raise ValueError(f"unsupported rope type {local['rope_type']!r} for sliding layers")
+            raise ModelFileError(f"unsupported rope type {local['rope_type']!r} for sliding layers")
         outer = {
             k: raw[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in raw
         }
@@ -365,7 +370,7 @@ def _layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[float, RopeScali
         "final_logit_softcapping": _optional_positive(raw, "final_logit_softcapping"),
     }
     if raw.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+        raise ModelFileError("use_bidirectional_attention (an embedding model) is not supported")
     return theta, scaling, kinds
 
 
@@ -398,7 +403,9 @@ def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str
         if types is None:
             first = raw.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
             if not _is_int(first) or first < 0:
-                raise ValueError(f'field "max_window_layers" must be an integer >= 0, got {_shown(first)}')
+                raise ModelFileError(
+                    f'field "max_window_layers" must be an integer >= 0, got {_shown(first)}'
+                )
             types = [SLIDING if i >= first else FULL for i in range(num_layers)]
     _check_layer_types(types)
     if SLIDING not in types:
@@ -408,7 +415,7 @@ def _window_kinds(raw: dict[str, Any], family: str, num_layers: int) -> dict[str
 
 def _check_layer_types(types: Any) -> None:
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ValueError(f'field "layer_types" must be a list of names, got {_shown(types)}')
+        raise ModelFileError(f'field "layer_types" must be a list of names, got {_shown(types)}')
 
 
 def _optional_positive(raw: dict[str, Any], key: str) -> float | None:
@@ -420,14 +427,16 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     transformers' defaults (`original_max_position_embeddings`: the context, for llama3 and yarn)."""
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(raw.get(key) or {}, dict):
-            raise ValueError(f'field "{key}" must be an object, got {_shown(raw[key])}')
+            raise ModelFileError(f'field "{key}" must be an object, got {_shown(raw[key])}')
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = positive_float(params, "rope_theta", positive_float(raw, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return theta, RopeScaling()
     if rope_type not in ROPE_TYPES:  # before reading fields another type may spell differently
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        raise ModelFileError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
     context = positive_int(raw, "max_position_embeddings", 2048)
     original = positive_int(params, "original_max_position_embeddings", context, "rope_scaling.")
     if raw.get("original_max_position_embeddings") is not None:  # a top-level one wins, as in transformers
@@ -481,10 +490,10 @@ def positive_int(raw: dict[str, Any], key: str, default: int = _REQUIRED, prefix
     if value is None and default is not _REQUIRED:
         return default
     if key not in raw:
-        raise ValueError(f'missing required field "{prefix}{key}"')
+        raise ModelFileError(f'missing required field "{prefix}{key}"')
     integral = isinstance(value, float) and value.is_integer()
     if not (_is_int(value) or integral) or value <= 0:
-        raise ValueError(f'field "{prefix}{key}" must be a positive integer, got {_shown(value)}')
+        raise ModelFileError(f'field "{prefix}{key}" must be a positive integer, got {_shown(value)}')
     return int(value)
 
 
@@ -494,9 +503,9 @@ def positive_float(raw: dict[str, Any], key: str, default: float = _REQUIRED, pr
     if value is None and default is not _REQUIRED:
         return default
     if value is None:
-        raise ValueError(f'missing required field "{prefix}{key}"')
+        raise ModelFileError(f'missing required field "{prefix}{key}"')
     if not (_is_int(value) or isinstance(value, float)) or not 0 < value < float("inf"):
-        raise ValueError(f'field "{prefix}{key}" must be a positive number, got {_shown(value)}')
+        raise ModelFileError(f'field "{prefix}{key}" must be a positive number, got {_shown(value)}')
     return float(value)
 
 
@@ -504,7 +513,7 @@ def token_id(raw: dict[str, Any], key: str) -> int | None:
     """A token id field; None when absent, null or negative (some configs write -1 for "none")."""
     value = raw.get(key)
     if value is not None and not _is_int(value):
-        raise ValueError(f'field "{key}" must be a token id (an integer) or null, got {_shown(value)}')
+        raise ModelFileError(f'field "{key}" must be a token id (an integer) or null, got {_shown(value)}')
     return value if value is not None and value >= 0 else None
 
 
@@ -513,7 +522,7 @@ def token_ids(raw: dict[str, Any], key: str) -> tuple[int, ...]:
     value = raw.get(key)
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(_is_int(v) for v in values):
-        raise ValueError(f'field "{key}" must be a token id or a list of token ids, got {_shown(value)}')
+        raise ModelFileError(f'field "{key}" must be a token id or a list of token ids, got {_shown(value)}')
     return tuple(v for v in values if v >= 0)
 
 
@@ -522,7 +531,7 @@ def _dtype_name(raw: dict[str, Any]) -> str | None:
     key = "dtype" if raw.get("dtype") else "torch_dtype"
     value = raw.get(key)
     if value is not None and not isinstance(value, str):
-        raise ValueError(f'field "{key}" must be a dtype name such as "bfloat16", got {_shown(value)}')
+        raise ModelFileError(f'field "{key}" must be a dtype name such as "bfloat16", got {_shown(value)}')
     return value or None
 
 

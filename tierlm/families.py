@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierlm.errors import ModelFileError
+
 
 @dataclass(frozen=True)
 class Family:
@@ -60,4 +62,4 @@ def family_for(architecture: str) -> Family:
         return FAMILIES[architecture]
     except KeyError:
         supported = ", ".join(FAMILIES)
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}") from None
+        raise ModelFileError(f"unsupported architecture {architecture!r}; supported: {supported}") from None

@@ -12,6 +12,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as Q
 
+from tierlm.errors import ModelFileError
+
 
 def is_gguf(path: Path) -> bool:
     """Whether `path` is a GGUF file: named *.gguf (any case) or starting with GGUF's magic (a .bin)."""
@@ -27,10 +29,10 @@ def is_gguf(path: Path) -> bool:
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """The file's reader; a missing file is FileNotFoundError, a damaged one one ValueError naming the metadata
+    """The file's reader; a missing file is FileNotFoundError, a damaged one one ModelFileError naming the metadata
     key or tensor that could not be read."""
     if path.is_dir():
-        raise ValueError(f"{path} is a folder, not a GGUF file")
+        raise ModelFileError(f"{path} is a folder, not a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     reader = _LocatingReader.__new__(_LocatingReader)  # built in two steps: a failed one is still there
@@ -43,7 +45,7 @@ def open_gguf(path: Path) -> GGUFReader:
                 where = reader.failed_at(path)
             except Exception:  # a file damaged past describing: gguf's own message
                 pass
-        raise ValueError(f"cannot read {path} as GGUF (truncated or corrupt?): {where}") from None
+        raise ModelFileError(f"cannot read {path} as GGUF (truncated or corrupt?): {where}") from None
     return reader
 
 

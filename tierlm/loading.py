@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tierlm import cpu, kernels
+from tierlm.errors import PlacementError
 from tierlm.gguf_read import is_gguf
 from tierlm.models import layers
 from tierlm.models.decoder import Decoder
@@ -82,13 +83,15 @@ def check_device(placement: Placement) -> None:
         if kind == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
-                raise ValueError(
+                raise PlacementError(
                     f"device {device} is not available: this torch ({torch.__version__}) sees no CUDA GPU"
                 )
             if int(index or 0) >= count:
-                raise ValueError(f"device {device} is not available: this machine has {count} CUDA GPU(s)")
+                raise PlacementError(
+                    f"device {device} is not available: this machine has {count} CUDA GPU(s)"
+                )
         elif kind == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(f"device {device} is not available on this machine")
+            raise PlacementError(f"device {device} is not available on this machine")
 
 
 def open_step(plan: LoadPlan, loading: Loading) -> None:
@@ -221,7 +224,9 @@ def _disk_sources(plan: LoadPlan, checkpoint, params: dict) -> dict[str, torch.T
     if not names:
         return {}
     if not isinstance(checkpoint, SafetensorsCheckpoint):
-        raise ValueError("disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)")
+        raise PlacementError(
+            "disk offload needs a safetensors checkpoint or a cached GGUF (cache not writable?)"
+        )
     disk = disk_sources(checkpoint, names, plan.dtype, plan.offload_folder, plan.transposed)
     for follower, leader in followers.items():
         if leader in disk:

@@ -11,6 +11,7 @@ import torch
 from tierlm.cache import DynamicCache, StaticCache
 from tierlm.compile import CompileConfig
 from tierlm.config import ModelConfig
+from tierlm.errors import RequestError
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import Generation, GenerationResult
 from tierlm.loading import execute
@@ -89,9 +90,9 @@ class Model:
         """Yield text deltas for one prompt as tokens are generated."""
         config = GenerationConfig.from_overrides(generation_config, **overrides)
         if config.n > 1:
-            raise ValueError("stream() yields one sequence's text; for n > 1 use stream_batch() or start()")
+            raise RequestError("stream() yields one sequence's text; for n > 1 use stream_batch() or start()")
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] != 1:
-            raise ValueError("stream() takes one prompt; for a batch of token-id rows use stream_batch()")
+            raise RequestError("stream() takes one prompt; for a batch of token-id rows use stream_batch()")
         for _row, delta, _finished, _reason in self.stream_batch(
             prompt if isinstance(prompt, torch.Tensor) else [prompt], config
         ):

@@ -14,6 +14,7 @@ import torch
 from tierlm import cpu
 from tierlm.compile import CompileConfig, CompileDecision, decide
 from tierlm.config import ModelConfig
+from tierlm.errors import OptionError, PlacementError
 from tierlm.generation.config import GenerationConfig
 from tierlm.gguf_read import is_gguf
 from tierlm.models.decoder import Decoder
@@ -157,7 +158,7 @@ def _device(device, name: str = "device") -> torch.device:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "mps"):
         tier = " ('disk' is a tier of a device map, not a device)" if device == "disk" else ""
-        raise ValueError(f"{name} must be {valid}, got {device!r}{tier}")
+        raise PlacementError(f"{name} must be {valid}, got {device!r}{tier}")
     return dev
 
 
@@ -192,14 +193,14 @@ def _quantization(
     if group_size is not None and (
         isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
     ):
-        raise ValueError(f"group_size must be a positive int (or None: the default), got {group_size!r}")
+        raise OptionError(f"group_size must be a positive int (or None: the default), got {group_size!r}")
     if group_size is not None and quantize in (None, "int8"):
         what = (
             "int8 weights are quantized per output channel"
             if quantize
             else "quantize=None keeps float weights"
         )
-        raise ValueError(f"group_size is int4's (quantize='int4' or 'auto'); {what}")
+        raise OptionError(f"group_size is int4's (quantize='int4' or 'auto'); {what}")
     int8: tuple[str, ...] = ()
     if quantize == "auto":
         quantize = None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm import cpu, kernels
+from tierlm.errors import OptionError
 
 MODES = ("int8", "int4")
 # Rows (tokens x sequences) from which an eager int4 or int8 product of bf16 activations on a CPU with AMX
@@ -52,7 +53,7 @@ def mode_of(module_name: str, mode: str) -> str:
 
 def check_mode(mode: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
+        raise OptionError(f"quantize must be one of {', '.join(MODES)}, got {mode!r}")
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,11 +114,11 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_s
 def check_int4_shape(out_features: int, in_features: int, group_size: int, device: torch.device) -> None:
     """Raise ValueError if the int4 kernel cannot take a [out_features, in_features] weight."""
     if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        raise OptionError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     k_multiple = group_size if device.type == "cpu" else max(group_size, 16 * _CUDA_INNER_K_TILES)
     n_multiple = 16 if device.type == "cpu" else 8
     if in_features % k_multiple or out_features % n_multiple:
-        raise ValueError(
+        raise OptionError(
             f"int4 cannot quantize a linear of shape [out={out_features}, in={in_features}] on "
             f"{device.type}: in_features must be a multiple of {k_multiple} (group size {group_size}) "
             f"and out_features a multiple of {n_multiple}"
@@ -278,7 +279,7 @@ class Int4Linear(nn.Module):
         device = linear.weight.device
         check_int4_shape(n, k, group_size, device)
         if device.type == "cuda" and dtype != torch.bfloat16:
-            raise ValueError(f"int4 on cuda needs bfloat16 activations, got {dtype}")
+            raise OptionError(f"int4 on cuda needs bfloat16 activations, got {dtype}")
         codes, scales_and_zeros = quantize_int4(linear.weight, group_size, dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
         return cls(_pack_int4(codes), scales_and_zeros, k, n, group_size, bias)
@@ -413,7 +414,7 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     if codes.device.type == "cuda":  # UNTESTED here (no GPU): uint8 [N, K/2], even column in the high nibble
         packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
         return aten._convert_weight_to_int4pack(packed, _CUDA_INNER_K_TILES)
-    raise ValueError(f"int4 on {codes.device.type} is not supported by this torch build (cpu and cuda are)")
+    raise OptionError(f"int4 on {codes.device.type} is not supported by this torch build (cpu and cuda are)")
 
 
 def _pack_cpu_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -503,10 +504,10 @@ def quantize_decoder(
     """
     check_mode(mode)
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        raise OptionError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     dtype = getattr(decoder, "compute_dtype", torch.bfloat16)
     if dtype not in KERNEL_DTYPES:
-        raise ValueError(f"quantized kernels need a compute dtype in {KERNEL_DTYPES}, got {dtype}")
+        raise OptionError(f"quantized kernels need a compute dtype in {KERNEL_DTYPES}, got {dtype}")
     targets = [
         name
         for name, module in decoder.named_modules()
@@ -516,7 +517,7 @@ def quantize_decoder(
     ]
     offloaded = [n for n in targets if decoder.get_submodule(n).weight.device.type == "meta"]
     if offloaded and source is None:
-        raise ValueError(
+        raise OptionError(
             f"cannot quantize offloaded layers (weights not resident): {', '.join(offloaded[:3])}"
         )
     quantized: list[str] = []

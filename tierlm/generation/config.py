@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierlm.compile import CompileConfig
+from tierlm.errors import RequestError
 from tierlm.generation.response_format import ResponseFormat, parse_response_format
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
@@ -30,21 +31,21 @@ def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -
         return
     valid = f"an int >= {minimum}" + (" or None" if optional else "")
     if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be {valid}, got {_describe(value)}")
+        raise RequestError(f"{name} must be {valid}, got {_describe(value)}")
 
 
 def _check_float(name: str, value: Any, valid: str, in_range: bool) -> float:
     """Return value as a float; in_range is the caller's range test (ignored for non-numbers)."""
     if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number {valid}, got {_describe(value)}")
+        raise RequestError(f"{name} must be a finite number {valid}, got {_describe(value)}")
     if not in_range:
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
+        raise RequestError(f"{name} must be {valid}, got {value!r}")
     return float(value)
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {_describe(value)}")
+        raise RequestError(f"{name} must be True or False, got {_describe(value)}")
 
 
 def _in(value: Any, low: float, high: float) -> bool:
@@ -57,7 +58,7 @@ def _normalize_eos(value: Any) -> tuple[int, ...] | None:
         return None
     ids = (value,) if _is_int(value) else value
     if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
-        raise ValueError(
+        raise RequestError(
             "eos_token_id must be None (the model's), a token id >= 0 or a non-empty list of them, "
             f"got {_describe(value)}"
         )
@@ -67,13 +68,13 @@ def _normalize_eos(value: Any) -> tuple[int, ...] | None:
 def _normalize_stop(value: Any) -> tuple[str, ...]:
     stops = (value,) if isinstance(value, str) else value
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
+        raise RequestError(f"stop must be a non-empty string or a list of non-empty strings, got {value!r}")
     return tuple(stops)
 
 
 def _normalize_token_ids(value: Any, name: str = "stop_token_ids") -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in value):
-        raise ValueError(f"{name} must be a list of token ids >= 0, got {_describe(value)}")
+        raise RequestError(f"{name} must be a list of token ids >= 0, got {_describe(value)}")
     return tuple(value)
 
 
@@ -89,12 +90,12 @@ def _normalize_bias(value: Any) -> tuple[tuple[int, float], ...]:
             )
         )
     except (TypeError, ValueError):
-        raise ValueError(f"logit_bias must be {valid}, got {_describe(value)}") from None
+        raise RequestError(f"logit_bias must be {valid}, got {_describe(value)}") from None
     if len(out) != len(pairs) or not all(_in(v, -100, 100) and math.isfinite(v) for _, v in out):
-        raise ValueError(f"logit_bias must be {valid}, got {value!r}")
+        raise RequestError(f"logit_bias must be {valid}, got {value!r}")
     twice = sorted({k for (k, _), (after, _) in zip(out, out[1:]) if k == after})
     if twice:  # 100 and "100": which bias applies would depend on an indexed write's order
-        raise ValueError(f"logit_bias gives token id {twice[0]} more than one bias")
+        raise RequestError(f"logit_bias gives token id {twice[0]} more than one bias")
     return tuple((k, float(v)) for k, v in out)
 
 
@@ -171,7 +172,7 @@ class GenerationConfig:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
+            raise RequestError(
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
             )
 
@@ -188,7 +189,7 @@ class GenerationConfig:
         )
         for name in ("temperature", "repetition_penalty"):  # the sampler keeps them as float32
             if getattr(self, name) > FLOAT32_MAX:
-                raise ValueError(
+                raise RequestError(
                     f"{name} must fit a float32 (at most {FLOAT32_MAX:.4g}), got {getattr(self, name)!r}"
                 )
         for name in ("presence_penalty", "frequency_penalty"):
@@ -198,13 +199,13 @@ class GenerationConfig:
         if self.allowed_token_ids is not None:
             allowed = _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids")
             if not allowed:
-                raise ValueError("allowed_token_ids must name at least one token (None: any token)")
+                raise RequestError("allowed_token_ids must name at least one token (None: any token)")
             self._set("allowed_token_ids", allowed)
         _check_int("n", self.n, 1)
         _check_int("logprobs", self.logprobs, 0, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an int in [0, 2**64), got {_describe(self.seed)}")
+            raise RequestError(f"seed must be None or an int in [0, 2**64), got {_describe(self.seed)}")
 
     def _validate_stopping(self) -> None:
         self._set("eos_token_id", _normalize_eos(self.eos_token_id))
@@ -215,7 +216,9 @@ class GenerationConfig:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         words = self.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {_describe(words)}")
+            raise RequestError(
+                f"bad_words must be a list of words (non-blank strings), got {_describe(words)}"
+            )
         self._set("bad_words", tuple(words))
 
     def _validate_cache_and_compile(self) -> None:
@@ -223,11 +226,11 @@ class GenerationConfig:
         if impl not in CACHE_IMPLEMENTATIONS:
             hint = _suggest(impl, CACHE_IMPLEMENTATIONS) if isinstance(impl, str) else ""
             choices = ", ".join(map(repr, CACHE_IMPLEMENTATIONS))
-            raise ValueError(f"cache_implementation must be one of {choices}, got {impl!r}{hint}")
+            raise RequestError(f"cache_implementation must be one of {choices}, got {impl!r}{hint}")
         _check_int("max_cache_len", self.max_cache_len, 1, optional=True)
         _check_int("prefill_chunk", self.prefill_chunk, 0, optional=True)
         if self.compile_config is not None and not isinstance(self.compile_config, CompileConfig):
-            raise ValueError(
+            raise RequestError(
                 f"compile_config must be a CompileConfig or None, got {_describe(self.compile_config)}"
             )
         _check_bool("disable_compile", self.disable_compile)
@@ -237,17 +240,19 @@ class GenerationConfig:
         lp = self.length_penalty
         self._set("length_penalty", _check_float("length_penalty", lp, "(of any sign)", True))
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise ValueError(
+            raise RequestError(
                 f"early_stopping must be True, False or 'never', got {_describe(self.early_stopping)}"
             )
         if self.num_beams == 1:
             return
         if self.n > self.num_beams:
-            raise ValueError(f"n (the beams returned) must be <= num_beams ({self.num_beams}), got {self.n}")
+            raise RequestError(
+                f"n (the beams returned) must be <= num_beams ({self.num_beams}), got {self.n}"
+            )
         default = GenerationConfig.__dataclass_fields__
         others = [name for name in BEAM_EXCLUDES if getattr(self, name) != default[name].default]
         if others:
-            raise ValueError(
+            raise RequestError(
                 f"num_beams > 1 (beam search) does not combine with {', '.join(others)}: beams rank the "
                 "model's own log probabilities, greedily"
             )
@@ -263,7 +268,7 @@ class GenerationConfig:
         names = [f.name for f in dataclasses.fields(self)]
         for key in overrides:
             if key not in names:
-                raise ValueError(
+                raise RequestError(
                     f"GenerationConfig has no field {key!r}{_suggest(key, names)}; "
                     f"valid fields are: {', '.join(names)}"
                 )
@@ -273,7 +278,7 @@ class GenerationConfig:
     def from_overrides(cls, base: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:
         """base (or the defaults) with the overrides that are not None applied, e.g. from CLI flags."""
         if base is not None and not isinstance(base, GenerationConfig):
-            raise ValueError(
+            raise RequestError(
                 f"generation_config must be a GenerationConfig or None, got {_describe(base)} "
                 "(settings go as keyword arguments: generate(prompt, max_new_tokens=8))"
             )

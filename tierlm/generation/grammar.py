@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from tierlm.errors import RequestError
 from tierlm.generation.response_format import ResponseFormat, llguidance_module
 
 _NEG_INF = float("-inf")
@@ -38,7 +39,7 @@ def grammar_tokenizer(tokenizer, vocab: int, eos_ids: tuple[int, ...]):
     key = (vocab, tuple(eos_ids))
     if key not in per_tokenizer:
         if not eos_ids:
-            raise ValueError("structured output needs an end-of-sequence token; this model names none")
+            raise RequestError("structured output needs an end-of-sequence token; this model names none")
         backend = tokenizer.backend.to_str()  # the tokenizers JSON, as llguidance reads it
         per_tokenizer[key] = llguidance_module().LLTokenizer(backend, n_vocab=vocab, eos_token=list(eos_ids))
     return per_tokenizer[key]
@@ -67,12 +68,12 @@ class GrammarMask:
             self._build()
         matcher = llguidance_module().LLMatcher(self.tokenizer, fmt.grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"response_format cannot be enforced: {matcher.get_error()}")
+            raise RequestError(f"response_format cannot be enforced: {matcher.get_error()}")
         self.matchers[row] = matcher
 
     def _build(self) -> None:
         if self.source is None:
-            raise ValueError("structured output needs a tokenizer; this model has none")
+            raise RequestError("structured output needs a tokenizer; this model has none")
         self.tokenizer = grammar_tokenizer(self.source, self.vocab, self.eos_ids)
         self.executor = llguidance_module().LLExecutor(2)
         self.bitmask = torch.full((self.rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlm.errors import RequestError
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.sampling import (
     apply_penalties,
@@ -133,7 +134,7 @@ class Sampler:
         if self.bad_words is not None:
             self.bad_words.set_row(row, c.bad_words)
         elif c.bad_words:
-            raise ValueError("bad_words need a tokenizer; this model has none")
+            raise RequestError("bad_words need a tokenizer; this model has none")
 
     def _set_tables(self, row: int, c: GenerationConfig, prompt: list[int]) -> None:
         """The row's lines of the [rows, vocab] tables: tokens seen (repetition penalty), counts (presence and

@@ -6,6 +6,7 @@ import operator
 
 import torch
 
+from tierlm.errors import RequestError
 from tierlm.generation.loop import TokenLogprob
 from tierlm.generation.sampling import token_logprobs, token_ranks
 
@@ -15,9 +16,9 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     ints (one prompt) or a list of lists of ints."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dtype not in (torch.long, torch.int32) or prompts.dim() not in (1, 2):
-            raise ValueError("token-id prompts must be a LongTensor of shape [seq] or [batch, seq]")
+            raise RequestError("token-id prompts must be a LongTensor of shape [seq] or [batch, seq]")
         if prompts.numel() == 0:
-            raise ValueError("empty prompt: every prompt needs at least one token")
+            raise RequestError("empty prompt: every prompt needs at least one token")
         rows = prompts.reshape(-1, prompts.shape[-1]).tolist()
     elif isinstance(prompts, str):
         rows = [_encode(tokenizer, prompts)]
@@ -28,12 +29,12 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     elif isinstance(prompts, list) and prompts and not any(isinstance(p, (str, list)) for p in prompts):
         rows = [_token_ids(prompts, 0)]
     else:
-        raise ValueError(
+        raise RequestError(
             "prompts must be a string, a non-empty list of strings, token ids (a list of ints, or one list "
             "of ints per prompt) or a LongTensor of token ids"
         )
     if any(len(r) == 0 for r in rows):
-        raise ValueError("empty prompt: every prompt needs at least one token")
+        raise RequestError("empty prompt: every prompt needs at least one token")
     return rows
 
 
@@ -47,7 +48,7 @@ def _token_ids(row: list, r: int) -> list[int]:
                 raise TypeError
             out.append(operator.index(i))
         except TypeError:
-            raise ValueError(
+            raise RequestError(
                 f"prompt {r} has {i!r} ({type(i).__name__}) where a token id (an int) goes"
             ) from None
     return out
@@ -59,7 +60,7 @@ def check_ids(rows: list[list[int]], vocab: int) -> None:
     for r, row in enumerate(rows):
         bad = next((i for i in row if not 0 <= i < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt {r} has token id {bad}; this model's ids are in [0, {vocab})")
+            raise RequestError(f"prompt {r} has token id {bad}; this model's ids are in [0, {vocab})")
 
 
 def check_vocab_settings(configs, vocab: int) -> None:
@@ -67,20 +68,20 @@ def check_vocab_settings(configs, vocab: int) -> None:
     for c in configs:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(c, name) or 0) > vocab:
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
+                raise RequestError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(c, name)}")
         named = {"logit_bias": [i for i, _ in c.logit_bias], "stop_token_ids": c.stop_token_ids}
         named["allowed_token_ids"] = c.allowed_token_ids or ()
         for name, ids in named.items():
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
-                raise ValueError(f"{name} names token id {bad}; this model's ids are in [0, {vocab})")
+                raise RequestError(f"{name} names token id {bad}; this model's ids are in [0, {vocab})")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; this model has none (pass token ids)")
+        raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)")
     if not text:
-        raise ValueError("empty prompt: every prompt needs at least one token")
+        raise RequestError("empty prompt: every prompt needs at least one token")
     return tokenizer.encode(text)
 
 

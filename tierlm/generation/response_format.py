@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tierlm.errors import RequestError
+
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
 # tierlm's types beside OpenAI's: vLLM's structured_outputs constraints, each its own key's value
 GUIDED = {"regex": "regular expression", "choice": "list of choices", "grammar": "Lark grammar"}
@@ -64,11 +66,11 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         return value
     example = "{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'schema': {...}}}"
     if not isinstance(value, dict):
-        raise ValueError(f"response_format must be a dict such as {example}, got {_short(value)}")
+        raise RequestError(f"response_format must be a dict such as {example}, got {_short(value)}")
     kind = value.get("type")
     if kind not in FORMAT_TYPES:
         choices = ", ".join(map(repr, FORMAT_TYPES))
-        raise ValueError(f"response_format.type must be one of {choices}, got {_short(kind)}")
+        raise RequestError(f"response_format.type must be one of {choices}, got {_short(kind)}")
     allowed = ("type", kind) if kind in ("json_schema", *GUIDED) else ("type",)
     _refuse_unknown(value, allowed, "response_format")
     if kind == "text":
@@ -83,24 +85,26 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
 def _parse_json_schema(spec: Any) -> ResponseFormat:
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
-        raise ValueError(f"{where} must be a dict with a 'schema' (a JSON Schema object), got {_short(spec)}")
+        raise RequestError(
+            f"{where} must be a dict with a 'schema' (a JSON Schema object), got {_short(spec)}"
+        )
     _refuse_unknown(spec, _SCHEMA_FIELDS, where)
     name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
     if name is not None and not isinstance(name, str):
-        raise ValueError(f"{where}.name must be a string, got {_short(name)}")
+        raise RequestError(f"{where}.name must be a string, got {_short(name)}")
     if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"{where}.strict must be true or false, got {_short(strict)}")
+        raise RequestError(f"{where}.strict must be true or false, got {_short(strict)}")
     return json_schema(schema, f"{where}.schema", name)
 
 
 def json_schema(schema: Any, where: str, name: str | None = None) -> ResponseFormat:
     """A JSON schema (a dict) as a "json_schema" ResponseFormat; ValueError naming `where`."""
     if not isinstance(schema, dict):
-        raise ValueError(f"{where} must be a JSON Schema object, got {_short(schema)}")
+        raise RequestError(f"{where} must be a JSON Schema object, got {_short(schema)}")
     try:
         text = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where} is not JSON: {err}") from None
+        raise RequestError(f"{where} is not JSON: {err}") from None
     return ResponseFormat("json_schema", text, name, _compile(schema, where))
 
 
@@ -110,22 +114,22 @@ def guided(kind: str, spec: Any, where: str) -> ResponseFormat:
     matcher = llguidance_module().LLMatcher
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
-            raise ValueError(f"{where} must be a non-empty list of non-empty strings, got {_short(spec)}")
+            raise RequestError(f"{where} must be a non-empty list of non-empty strings, got {_short(spec)}")
         text = json.dumps(spec, ensure_ascii=False)
         lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)  # quoted literals
         grammar = matcher.grammar_from_lark(lark)
     else:
         if not isinstance(spec, str) or not spec:
-            raise ValueError(f"{where} must be a non-empty string ({GUIDED[kind]}), got {_short(spec)}")
+            raise RequestError(f"{where} must be a non-empty string ({GUIDED[kind]}), got {_short(spec)}")
         text = spec
         build = matcher.grammar_from_regex if kind == "regex" else matcher.grammar_from_lark
         try:
             grammar = build(spec)
         except ValueError as err:
-            raise ValueError(f"{where} is not a valid {GUIDED[kind]}: {err}") from None
+            raise RequestError(f"{where} is not a valid {GUIDED[kind]}: {err}") from None
     error = matcher.validate_grammar(grammar, None)
     if error:
-        raise ValueError(f"{where} is not a valid {GUIDED[kind]}: {error.strip().splitlines()[0]}")
+        raise RequestError(f"{where} is not a valid {GUIDED[kind]}: {error.strip().splitlines()[0]}")
     return ResponseFormat(kind, text, None, grammar)
 
 
@@ -135,10 +139,10 @@ def _compile(schema: dict, where: str = "response_format") -> str:
     try:
         grammar = matcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     except ValueError as err:
-        raise ValueError(f"{where} is not a valid JSON Schema: {err}") from None
+        raise RequestError(f"{where} is not a valid JSON Schema: {err}") from None
     error = matcher.validate_grammar(grammar, None)
     if error:
-        raise ValueError(f"{where} {_explain(error)}")
+        raise RequestError(f"{where} {_explain(error)}")
     return grammar
 
 
@@ -153,7 +157,7 @@ def _explain(error: str) -> str:
 def _refuse_unknown(value: dict, allowed: tuple[str, ...], where: str) -> None:
     unknown = [k for k in value if k not in allowed]
     if unknown:
-        raise ValueError(
+        raise RequestError(
             f"{where} has an unknown field {unknown[0]!r}; its fields are {', '.join(map(repr, allowed))}"
         )
 

@@ -10,6 +10,7 @@ import torch
 
 from tierlm.cache import DynamicCache, StaticCache, bucket_length
 from tierlm.compile import CompileDecision, decide, warn_if_skipped
+from tierlm.errors import RequestError
 from tierlm.generation.bad_words import BadWords
 from tierlm.generation.beam import BeamSearch, run_beams
 from tierlm.generation.config import GenerationConfig
@@ -83,7 +84,7 @@ class Generation:
         tok = model.tokenizer
         n = config.num_beams if config.num_beams > 1 else config.n  # rows per prompt
         if config.num_beams > 1 and row_configs is not None:
-            raise ValueError("beam search runs one GenerationConfig for all its prompts (no row_configs)")
+            raise RequestError("beam search runs one GenerationConfig for all its prompts (no row_configs)")
         prompt_rows = encode_prompts(tok, prompts)
         check_ids(prompt_rows, model.config.vocab_size)
         check_vocab_settings([config, *(row_configs or [])], model.config.vocab_size)
@@ -101,7 +102,7 @@ class Generation:
         self.holder = object()  # what this generation stamps on the model's shared cache it takes
         self.cache = self._make_cache(self.batch.ids.shape[1], own_cache)
         if row_max_new_tokens is not None and max(row_max_new_tokens) > config.max_new_tokens:
-            raise ValueError("per-row max_new_tokens may not exceed the config's max_new_tokens")
+            raise RequestError("per-row max_new_tokens may not exceed the config's max_new_tokens")
         self.decision = self._decide(own_cache)
         self.step = self._step()  # taken now, beside the cache it is built for
         self.prefilled = False  # the whole prompt is in the cache
@@ -117,7 +118,7 @@ class Generation:
         if tok is not None:
             self.trackers = [text_tracker(tok, s, c) for s, c in zip(stops, self.row_configs)]
         elif any(stops):
-            raise ValueError("stop strings need a tokenizer; this model has none")
+            raise RequestError("stop strings need a tokenizer; this model has none")
 
     def _decide(self, own_cache: bool):
         """The compile decision for this generation's cache (warned once per cause when it skips a compile
@@ -133,7 +134,7 @@ class Generation:
         )
         warn_if_skipped(decision, config)
         if own_cache and decision.compile:
-            raise ValueError(
+            raise RequestError(
                 "a generation with its own cache cannot use the compiled step (set disable_compile)"
             )
         return decision
@@ -155,7 +156,7 @@ class Generation:
         except (RuntimeError, OverflowError) as e:
             if isinstance(e, RuntimeError) and not _out_of_memory(e):
                 raise  # not the size (a device error, a bug): as it is
-            raise ValueError(
+            raise RequestError(
                 f"a static cache of {length} slots (prompt of {width} tokens plus max_new_tokens="
                 f"{c.max_new_tokens}) cannot be allocated: {str(e).splitlines()[0]}; lower max_new_tokens or set "
                 "max_cache_len"
@@ -166,7 +167,7 @@ class Generation:
         """One clear error where a later generation of this shape took the model's shared cache: this one's
         keys and values are gone (it would go on from another prompt's)."""
         if getattr(self.cache, "holder", self.holder) is not self.holder:
-            raise ValueError(
+            raise RequestError(
                 "this generation's cache was taken by a later generation of the same shape on this model (one "
                 "reusable cache per batch and length): finish a stream before starting another, or start it "
                 "with own_cache=True"
@@ -285,7 +286,7 @@ class Generation:
         """Run one unit of work (a prefill chunk or a decode step) and return its (row, text delta, finished,
         finish_reason) updates, [] for a prefill chunk; None once the generation is over."""
         if self.trackers is None:
-            raise ValueError("streaming text needs a tokenizer; this model has none")
+            raise RequestError("streaming text needs a tokenizer; this model has none")
         if self.search is not None:
             return self._beam_advance()
         if self._units is None:
@@ -404,16 +405,18 @@ def static_cache_length(config: GenerationConfig, model_config, width: int) -> i
     """Slots of the static cache a `width`-token batch needs under `config`; None for a dynamic cache."""
     needed = width + config.max_new_tokens
     if width > model_config.max_position_embeddings:
-        raise ValueError(
+        raise RequestError(
             f"prompt of {width} tokens exceeds the model's context of {model_config.max_position_embeddings}"
         )
     if config.cache_implementation == "dynamic":
         return None
     length = config.max_cache_len or bucket_length(needed, model_config.max_position_embeddings)
     if width > length:
-        raise ValueError(f"prompt of {width} tokens is longer than the static cache (max_cache_len={length})")
+        raise RequestError(
+            f"prompt of {width} tokens is longer than the static cache (max_cache_len={length})"
+        )
     if needed > length:
-        raise ValueError(
+        raise RequestError(
             f"prompt of {width} tokens plus max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
             f"more than max_cache_len={length}"
         )

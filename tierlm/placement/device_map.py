@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tierlm.errors import PlacementError
 from tierlm.placement.limits import MemoryLimit, memory_limit
 from tierlm.placement.memory import checked_device, format_bytes, normalize_device, parse_max_memory
 from tierlm.placement.memory import parse_max_memory_arg as parse_max_memory_arg
@@ -105,7 +106,7 @@ def expand_device_map(device_map: Mapping[str, Any], param_names: Sequence[str])
     if None in resolved.values():
         covered = {name: device is not None for name, device in resolved.items()}
         missing = [name for name, ok in _collapse(covered).items() if not ok]
-        raise ValueError(
+        raise PlacementError(
             f"device_map gives no device for {format_modules(missing)}; "
             "add keys for them, or a '' key for the whole model."
         )
@@ -114,7 +115,7 @@ def expand_device_map(device_map: Mapping[str, Any], param_names: Sequence[str])
         owners.setdefault(name.rpartition(".")[0], set()).add(device)  # type: ignore[arg-type]
     split = next(((m, d) for m, d in owners.items() if len(d) > 1), None)
     if split is not None:
-        raise ValueError(
+        raise PlacementError(
             f"device_map puts the parameters of {split[0]} on {', '.join(sorted(split[1]))}; a module's weight "
             f"and bias go to one device: map {split[0]!r} itself"
         )
@@ -127,12 +128,12 @@ def _checked_keys(device_map: Mapping[str, Any], param_names: Sequence[str]) -> 
     devices = {}
     for key, value in device_map.items():
         if not isinstance(key, str):
-            raise ValueError(
+            raise PlacementError(
                 f"device_map key {key!r} is not a string; use module names like 'model.layers.0', or ''."
             )
         if key not in valid:
             nearest = difflib.get_close_matches(key, sorted(modules), n=3) or sorted(modules, key=len)[:3]
-            raise ValueError(
+            raise PlacementError(
                 f"device_map key {key!r} names no module of this model; nearest valid names: {', '.join(nearest)}."
             )
         devices[key] = checked_device(value, f"device_map[{key!r}] =")
@@ -202,18 +203,18 @@ def infer_device_map(
 
     "auto"/"sequential" fill accelerators in index order; "balanced" spreads layers evenly over them."""
     if strategy not in STRATEGIES:
-        raise ValueError(
+        raise PlacementError(
             f"device map strategy {strategy!r} is not valid; use one of {', '.join(STRATEGIES)}."
         )
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes {reserve_bytes!r} is not valid; give a number of bytes >= 0.")
+        raise PlacementError(f"reserve_bytes {reserve_bytes!r} is not valid; give a number of bytes >= 0.")
     found = memory_limit() if max_memory is None else None
     budgets = available_memory(found) if found else parse_max_memory(max_memory)
     units, leaders = _placement_units(param_bytes, tied)
     try:
         placement = _place(units, budgets, strategy, reserve_bytes)
     except _TooSmall as e:
-        raise ValueError(e.message(found)) from None
+        raise PlacementError(e.message(found)) from None
     placement.update({follower: placement[leader] for follower, leader in leaders.items()})
     return {unit: placement[unit] for unit in sorted(placement, key=_order_key)}
 
@@ -225,11 +226,11 @@ def _placement_units(
     sizes = dict(param_bytes)
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"param_bytes[{name!r}] = {size!r} is not a byte count; give an int >= 0.")
+            raise PlacementError(f"param_bytes[{name!r}] = {size!r} is not a byte count; give an int >= 0.")
     leaders: dict[str, str] = {}
     for pair in tied:
         if not any(name in sizes for name in pair):
-            raise ValueError(
+            raise PlacementError(
                 f"tied pair {pair!r} names no parameter in param_bytes; tie existing parameters."
             )
         first, second = sorted(pair, key=_order_key)

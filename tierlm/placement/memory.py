@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
+from tierlm.errors import PlacementError
+
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _MEMORY_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
@@ -32,7 +34,7 @@ def _parse_memory(value: Any, what: str) -> int:
     match = _MEMORY_RE.fullmatch(value.strip()) if isinstance(value, str) else None
     unit = match[2].lower() or "b" if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"{what} {value!r} is not valid; give {_MEMORY_FORMS}.")
+        raise PlacementError(f"{what} {value!r} is not valid; give {_MEMORY_FORMS}.")
     return int(Decimal(match[1]) * _UNITS[unit])
 
 
@@ -55,13 +57,15 @@ def checked_device(value: Any, what: str) -> str:
         return text.partition(":")[0]
     if match and match[1] == "cuda":
         return f"cuda:{int(match[2] or 0)}"
-    raise ValueError(f"{what} {value!r} is not a valid device; use {_DEVICE_FORMS}.")
+    raise PlacementError(f"{what} {value!r} is not a valid device; use {_DEVICE_FORMS}.")
 
 
 def parse_max_memory(max_memory: Mapping[Any, int | str]) -> dict[str, int]:
     """{normalized device: bytes} from a max_memory dict such as {0: "20GiB", "cpu": "8GiB"}."""
     if not isinstance(max_memory, Mapping):
-        raise ValueError(f"max_memory {max_memory!r} is not a dict; give e.g. {{0: '20GiB', 'cpu': '8GiB'}}.")
+        raise PlacementError(
+            f"max_memory {max_memory!r} is not a dict; give e.g. {{0: '20GiB', 'cpu': '8GiB'}}."
+        )
     return _parse_budget_pairs(max_memory.items())
 
 
@@ -71,7 +75,9 @@ def parse_max_memory_arg(text: str) -> dict[str, int]:
     for item in (part.strip() for part in text.split(",")):
         key, sep, value = (piece.strip() for piece in item.partition("="))
         if not (key and sep and value):
-            raise ValueError(f"max memory entry {item!r} is not DEVICE=SIZE; write e.g. 'cpu=2GiB,0=20GiB'.")
+            raise PlacementError(
+                f"max memory entry {item!r} is not DEVICE=SIZE; write e.g. 'cpu=2GiB,0=20GiB'."
+            )
         pairs.append((key, value))
     return _parse_budget_pairs(pairs)
 
@@ -81,11 +87,11 @@ def _parse_budget_pairs(pairs: Iterable[tuple[Any, Any]]) -> dict[str, int]:
     for key, value in pairs:
         device = checked_device(key, "max_memory key")
         if device == "disk":
-            raise ValueError(
+            raise PlacementError(
                 "max_memory key 'disk' is not allowed: disk is unlimited; budget only accelerators and 'cpu'."
             )
         if device in budgets:
-            raise ValueError(
+            raise PlacementError(
                 f"max_memory names device {device} twice (again as {key!r}); give each device once."
             )
         budgets[device] = _parse_memory(value, f"max_memory[{key!r}] =")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tierlm.config import ModelConfig
+from tierlm.errors import PlacementError
 from tierlm.models.decoder import Decoder
 from tierlm.module_names import under
 from tierlm.placement.device_map import (
@@ -80,14 +81,14 @@ def resolve(
     A memory budget without a map means "auto" (a budget is only ever read to infer a map). A single device
     (0, "cpu", "cuda:1", a torch.device) places the whole model there, as transformers reads it."""
     if max_memory is not None and not max_memory:
-        raise ValueError(
+        raise PlacementError(
             "max_memory is empty: give budgets such as {'cpu': '2GiB'}, or None for what is free"
         )
     device_map = single_device_map(device_map)
     if device_map is None:
         device_map = "auto" if max_memory else {"": default_device}
     elif max_memory and not isinstance(device_map, str):
-        raise ValueError(
+        raise PlacementError(
             "max_memory budgets an inferred map (device_map 'auto', 'balanced' or 'sequential'); "
             "a dict device_map places every module itself, so the budget would be ignored"
         )
@@ -115,7 +116,7 @@ def single_device_map(device_map: Any) -> Any:
         try:
             return {"": checked_device(device_map, "device_map =")}
         except ValueError:
-            raise ValueError(
+            raise PlacementError(
                 f"device_map {device_map!r} is neither a device (0, 'cuda:1', 'cpu', 'disk', ...) nor one of "
                 f"{', '.join(STRATEGIES)}; or give a dict"
             ) from None
@@ -145,7 +146,7 @@ def _maps(
     """(module map, device per parameter): a strategy's map inferred within `max_memory`, or a dict expanded."""
     if isinstance(device_map, str):
         if device_map not in STRATEGIES:
-            raise ValueError(
+            raise PlacementError(
                 f"device_map {device_map!r} is not valid; use a dict or one of {', '.join(STRATEGIES)}"
             )
         modules = infer_device_map(
@@ -153,7 +154,9 @@ def _maps(
         )
         return modules, expand_device_map(modules, param_names)
     if not isinstance(device_map, Mapping):
-        raise ValueError(f"device_map must be a dict, 'auto', 'balanced' or 'sequential', got {device_map!r}")
+        raise PlacementError(
+            f"device_map must be a dict, 'auto', 'balanced' or 'sequential', got {device_map!r}"
+        )
     params = expand_device_map(device_map, param_names)
     for leader, follower in tied:  # a tied weight follows its leader unless the map names it
         if not any(under(follower, k) for k in device_map if k):
@@ -165,13 +168,13 @@ def _check_devices(params: dict[str, str], tied: list[tuple[str, str]]) -> None:
     """Tied parameters share a device, and at most one accelerator is named."""
     for leader, follower in tied:
         if params.get(follower, params[leader]) != params[leader]:
-            raise ValueError(
+            raise PlacementError(
                 f"{leader} and {follower} are tied (one tensor) and must share a device, "
                 f"got {params[leader]} and {params[follower]}"
             )
     accelerators = sorted({d for d in params.values() if d not in ("cpu", "disk")})
     if len(accelerators) > 1:
-        raise ValueError(
+        raise PlacementError(
             f"the map names several accelerators ({', '.join(accelerators)}); tierlm runs on one"
         )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierlm.compile import decide
+from tierlm.errors import OptionError
 from tierlm.generation.config import GenerationConfig
 from tierlm.generation.run import static_cache_length
 from tierlm.server.compute import ComputeThread
@@ -53,9 +54,9 @@ def served_context(model: Model, max_model_len: int | None) -> int:
     if max_model_len is None:
         return context
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        raise OptionError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
     if max_model_len > context:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
+        raise OptionError(f"max_model_len {max_model_len} exceeds the model's context of {context}")
     return max_model_len
 
 
@@ -89,9 +90,9 @@ class Scheduler:
         max_model_len: int | None = None,
     ) -> None:
         if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+            raise OptionError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+            raise OptionError(f"max_queue must be >= 0, got {max_queue}")
         self.model = model
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.base_config = base_config or GenerationConfig()

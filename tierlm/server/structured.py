@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tierlm.errors import RequestError
 from tierlm.generation.response_format import ResponseFormat, guided, json_schema, parse_response_format
 from tierlm.server.errors import short_repr
 
@@ -30,7 +31,7 @@ def constraint(name: str, value: Any) -> ResponseFormat | None:
         given = [k for k, v in value.items() if v is not None and v is not False]
         if len(given) != 1 or given[0] not in _OUTPUTS:
             served = ", ".join(_OUTPUTS)
-            raise ValueError(f"structured_outputs takes exactly one of {served}, got {short_repr(value)}")
+            raise RequestError(f"structured_outputs takes exactly one of {served}, got {short_repr(value)}")
         kind, value, name = given[0], value[given[0]], f"structured_outputs.{given[0]}"
     else:
         kind = name.removeprefix("guided_")
@@ -42,5 +43,5 @@ def constraint(name: str, value: Any) -> ResponseFormat | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{name} is not JSON: {err}") from None
+            raise RequestError(f"{name} is not JSON: {err}") from None
     return json_schema(value, name)

@@ -11,6 +11,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tierlm.errors import ModelFileError
+
 
 class TemplateRaised(jinja2.TemplateError):
     """The template called raise_exception()."""
@@ -56,4 +58,4 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as err:
-        raise ValueError(f"chat template does not compile: line {err.lineno}: {err.message}") from err
+        raise ModelFileError(f"chat template does not compile: line {err.lineno}: {err.message}") from err

@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from tierlm.errors import ModelFileError
 from tierlm.tokenizer.special import SpecialTokens
 
 # Pre-tokenizer regexes in their tokenizer.json spelling; llama.cpp runs adapted copies of these.
@@ -82,11 +83,13 @@ def read_gguf_vocabulary(path: Path) -> tuple[BackendTokenizer, SpecialTokens, b
     meta = _read_gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:
-        raise ValueError(f"{path} has no tokenizer metadata (tokenizer.ggml.model, tokenizer.ggml.tokens)")
+        raise ModelFileError(
+            f"{path} has no tokenizer metadata (tokenizer.ggml.model, tokenizer.ggml.tokens)"
+        )
     builder = _GGUF_BUILDERS.get(kind)
     if builder is None:
         supported = ", ".join(sorted(_GGUF_BUILDERS))
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: {supported}")
+        raise ModelFileError(f"unsupported GGUF tokenizer model {kind!r} in {path}; supported: {supported}")
     if kind == "llama" and meta.get("general.architecture") in _GEMMA_ARCHITECTURES:
         builder = _gemma_backend
     backend = builder(meta)
@@ -143,7 +146,7 @@ def _byte_level_backend(meta: dict[str, Any]) -> BackendTokenizer:
     """GPT-2 style byte-level BPE with the pre-tokenizer named by `tokenizer.ggml.pre`."""
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_SPLITS:
-        raise ValueError(
+        raise ModelFileError(
             f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(_PRE_SPLITS))}"
         )
     vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from tierlm.errors import ModelFileError
 from tierlm.tokenizer.special import SpecialTokens
 
 
@@ -31,7 +32,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+        raise ModelFileError(f"{path} is not valid JSON: {err}") from err
 
 
 def _token_content(value: Any) -> str | None:
@@ -44,7 +45,7 @@ def _special_from_config(backend: BackendTokenizer, config: dict, generation: di
         content = _token_content(config.get(name))
         token_id = backend.token_to_id(content) if content is not None else None
         if content is not None and token_id is None and required:
-            raise ValueError(f"{name} {content!r} from tokenizer_config.json is not in the vocabulary")
+            raise ModelFileError(f"{name} {content!r} from tokenizer_config.json is not in the vocabulary")
         return token_id
 
     extra_eos = generation.get("eos_token_id")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierlm.errors import ModelFileError
+
 
 @dataclass(frozen=True)
 class SpecialTokens:
@@ -17,10 +19,12 @@ class SpecialTokens:
     def __post_init__(self) -> None:
         for token_id in (self.bos_id, self.pad_id, self.unk_id, *self.eos_ids):
             if token_id is not None and (not isinstance(token_id, int) or token_id < 0):
-                raise ValueError(f"special token ids must be non-negative ints, got {token_id!r}")
+                raise ModelFileError(f"special token ids must be non-negative ints, got {token_id!r}")
 
     def check_within(self, vocab_size: int) -> None:
         """Raise if any id falls outside a vocabulary of `vocab_size` tokens."""
         for token_id in (self.bos_id, self.pad_id, self.unk_id, *self.eos_ids):
             if token_id is not None and token_id >= vocab_size:
-                raise ValueError(f"special token id {token_id} is outside the {vocab_size}-token vocabulary")
+                raise ModelFileError(
+                    f"special token id {token_id} is outside the {vocab_size}-token vocabulary"
+                )

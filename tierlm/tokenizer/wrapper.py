@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
+from tierlm.errors import ModelFileError, RequestError
 from tierlm.tokenizer.chat import TemplateRaised, compile_chat_template
 from tierlm.tokenizer.gguf_vocab import read_gguf_vocabulary
 from tierlm.tokenizer.hf_folder import read_hf_folder
@@ -32,7 +33,7 @@ class Tokenizer:
         backend.no_truncation()
         special.check_within(backend.get_vocab_size(with_added_tokens=True))
         if add_bos and special.bos_id is None:
-            raise ValueError("add_bos is set but the tokenizer has no bos token")
+            raise ModelFileError("add_bos is set but the tokenizer has no bos token")
         self._backend = backend
         self._special = special
         self._add_bos = add_bos
@@ -138,11 +139,11 @@ class Tokenizer:
         transformers does: `tools` and `documents` are None unless given; `continue_final_message` ends the
         text inside the last message (for the model to continue it) instead of after its end-of-turn."""
         if chat_template is None and self._chat_template is None:
-            raise ValueError("this tokenizer has no chat template")
+            raise RequestError("this tokenizer has no chat template")
         if not messages:
-            raise ValueError("messages is empty: a chat needs at least one message")
+            raise RequestError("messages is empty: a chat needs at least one message")
         if continue_final_message and add_generation_prompt:
-            raise ValueError(
+            raise RequestError(
                 "continue_final_message continues the last message: add_generation_prompt must be False"
             )
         if chat_template is not None:
@@ -164,13 +165,13 @@ class Tokenizer:
         try:
             text = template.render(messages=chat, **context)
         except TemplateRaised as err:
-            raise ValueError(f"chat template raised an error: {err.message}") from err
+            raise RequestError(f"chat template raised an error: {err.message}") from err
         except (jinja2.TemplateError, TypeError) as err:  # e.g. list content a template adds to a string
-            raise ValueError(f"chat template failed to render: {err}") from err
+            raise RequestError(f"chat template failed to render: {err}") from err
         if not continue_final_message:
             return text
         if text.count(CONTINUE_MARK) != 1:
-            raise ValueError(
+            raise RequestError(
                 "continue_final_message: the chat template does not render the final message's text"
             )
         return text[: text.index(CONTINUE_MARK)]
@@ -206,7 +207,7 @@ def _marked(final: dict[str, Any]) -> dict[str, Any]:
             default=None,
         )
         if last is None:
-            raise ValueError("continue_final_message: the final message has no text part to continue")
+            raise RequestError("continue_final_message: the final message has no text part to continue")
         parts = [*content]
         parts[last] = {**parts[last], "text": parts[last].get("text", "") + CONTINUE_MARK}
         return {**final, "content": parts}
@@ -217,11 +218,11 @@ def _check_text(text) -> None:
     """A ValueError naming the problem where `text` is not a str of valid Unicode: Python reads undecodable
     bytes (a prompt on stdin or in argv that is not UTF-8) as lone surrogates, which no tokenizer takes."""
     if not isinstance(text, str):
-        raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        raise RequestError(f"text to encode must be a str, got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(
+        raise RequestError(
             f"text is not valid UTF-8: character {e.start} is {text[e.start]!r} (bytes that are not UTF-8?)"
         ) from None
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.errors import PlacementError
 from tierlm.weights.entry_names import offload_entry
 from tierlm.weights.temporaries import remove_stale_temporaries, temporary
 
@@ -144,7 +145,7 @@ def fresh_tmp_folder(folder: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
-        raise ValueError(
+        raise PlacementError(
             f"offload folder {folder.parent} is not writable ({e.strerror}); pass a writable offload_folder"
         ) from None
     return tmp

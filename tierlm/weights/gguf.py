@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from tierlm.config import ModelConfig
+from tierlm.errors import ModelFileError
 from tierlm.gguf_read import metadata, open_gguf
 from tierlm.weights import gguf_blocks
 from tierlm.weights.files import file_identity
@@ -56,15 +57,15 @@ class GGUFCheckpoint:
         freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
         try:
             if freqs is not None and freqs.tensor_type != Q.F32:
-                raise ValueError(f"rope_freqs.weight is {freqs.tensor_type.name}, not F32")
+                raise ModelFileError(f"rope_freqs.weight is {freqs.tensor_type.name}, not F32")
             rope_freqs = None if freqs is None else [float(f) for f in np.asarray(freqs.data).ravel()]
             self.config = ModelConfig.from_gguf_metadata(meta, n_vocab_tensor=n_vocab, rope_freqs=rope_freqs)
         except ValueError as e:
-            raise ValueError(f"GGUF metadata of {self.path}: {e}") from None
+            raise ModelFileError(f"GGUF metadata of {self.path}: {e}") from None
         for t in self.tensors.values():
             if t.tensor_type not in SUPPORTED_TYPES:
                 supported = ", ".join(q.name for q in SUPPORTED_TYPES)
-                raise ValueError(
+                raise ModelFileError(
                     f"{self.path.name}: tensor {t.name} has unsupported type {t.tensor_type.name}; "
                     f"supported: {supported}"
                 )

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tierlm.errors import ModelFileError, OptionError
 from tierlm.gguf_read import is_gguf
 from tierlm.models.decoder import Decoder
 from tierlm.weights.gguf import GGUFCheckpoint
@@ -48,7 +49,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if is_gguf(path) or (path.suffix.lower() == ".gguf" and not path.is_dir()):
         return GGUFCheckpoint(path)  # (a missing *.gguf: its error says so)
     if path.is_file():
-        raise ValueError(f"{path} is neither a GGUF file nor a model folder")
+        raise ModelFileError(f"{path} is neither a GGUF file nor a model folder")
     return SafetensorsCheckpoint(path)
 
 
@@ -65,13 +66,13 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint: Checkpoint, device: torc
     """float32 / bfloat16 / float16, or "auto": the checkpoint's own (fp16 becomes fp32 on CPU)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in set(DTYPES.values()):
-            raise ValueError(f"unknown dtype {dtype}; use one of auto, float32, bfloat16, float16")
+            raise OptionError(f"unknown dtype {dtype}; use one of auto, float32, bfloat16, float16")
         return dtype
     if dtype != "auto":
         try:
             return DTYPES[dtype]
         except KeyError:
-            raise ValueError(
+            raise OptionError(
                 f"unknown dtype {dtype!r}; use one of auto, float32, bfloat16, float16"
             ) from None
     own = DTYPES.get(checkpoint.config.torch_dtype or "", None)
@@ -96,11 +97,11 @@ def check_names(checkpoint: Checkpoint, wanted: list[str]) -> None:
     have = set(checkpoint.names())
     missing = [n for n in wanted if n not in have]
     if missing:
-        raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:8])}")
+        raise ModelFileError(f"checkpoint is missing tensor(s): {', '.join(missing[:8])}")
     allowed = set(wanted) | {"lm_head.weight"}
     unexpected = sorted(n for n in have - allowed if not n.endswith(IGNORED_SUFFIXES))
     if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:8])}")
+        raise ModelFileError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected[:8])}")
 
 
 def check_tensors(checkpoint: Checkpoint, model: nn.Module) -> list[str]:
@@ -112,7 +113,7 @@ def check_tensors(checkpoint: Checkpoint, model: nn.Module) -> list[str]:
     for name in wanted:
         expected, stored = tuple(model.get_parameter(name).shape), tuple(checkpoint.shape(name))
         if stored != expected:
-            raise ValueError(f"tensor {name} has shape {stored}, the config implies {expected}")
+            raise ModelFileError(f"tensor {name} has shape {stored}, the config implies {expected}")
     return wanted
 
 
@@ -156,7 +157,7 @@ def build_decoder(
             )
         expected_shape = tuple(model.get_parameter(name).shape)
         if tuple(value.shape) != expected_shape:
-            raise ValueError(
+            raise ModelFileError(
                 f"tensor {name} has shape {tuple(value.shape)}, the config implies {expected_shape}"
             )
         value = value.to(device=device, dtype=dtype)

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tierlm.config import ModelConfig
+from tierlm.errors import ModelFileError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -75,14 +76,14 @@ class SafetensorsCheckpoint:
         try:
             return self._handles[self.files[name]].get_tensor(name)
         except SafetensorError as e:
-            raise ValueError(f"cannot read tensor {name} from {self.files[name]}: {e}") from None
+            raise ModelFileError(f"cannot read tensor {name} from {self.files[name]}: {e}") from None
 
     def _check_index(self) -> None:
         for file, handle in self._handles.items():
             present = set(handle.keys())
             missing = [n for n, f in self.files.items() if f == file and n not in present]
             if missing:
-                raise ValueError(f"{file.name} lacks tensors its index lists: {', '.join(missing[:5])}")
+                raise ModelFileError(f"{file.name} lacks tensors its index lists: {', '.join(missing[:5])}")
 
 
 # safetensors dtype codes <-> torch dtypes: the one table for reading and writing safetensors files.
@@ -108,11 +109,11 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+            raise ModelFileError(f"{index} is not a valid safetensors index: {e!r}") from None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()
         ):
-            raise ValueError(
+            raise ModelFileError(
                 f"{index} is not a valid safetensors index: weight_map must map names to file names"
             )
         files = {name: folder / file for name, file in weight_map.items()}
@@ -129,7 +130,9 @@ def _open(file: Path):
     try:
         handle = safe_open(str(file), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+        raise ModelFileError(
+            f"{file} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from None
     _check_size(file)
     return handle
 
@@ -142,7 +145,7 @@ def _check_size(file: Path) -> None:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     actual = file.stat().st_size - 8 - header_len
     if actual < end:
-        raise ValueError(
+        raise ModelFileError(
             f"{file} is truncated: its header describes {end} bytes of data but {actual} are present"
         )
 

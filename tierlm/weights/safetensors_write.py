@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.errors import ModelFileError
 from tierlm.weights.safetensors import CODES
 
 
@@ -33,7 +34,7 @@ def write_safetensors(
         for name, t in tensors:
             dtype, shape = specs[name]
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+                raise ModelFileError(f"tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
             f.write(bytes(gaps.get(name, 0)))
             f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().data)
 
