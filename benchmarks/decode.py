@@ -1,6 +1,7 @@
 """Decode speed and compile cost of tierlm vs transformers (and llama.cpp) on the default model.
 
-Engines: tierlm eager; compiled tierlm, each variant a separately loaded model (weights bf16, or int8 /
+Engines: tierlm as load() gives it with no options (its first row: on a GGUF of 4-bit blocks, int4 weights,
+eager); tierlm eager with float weights of each --dtypes; compiled tierlm, each variant a separately loaded model (weights bf16, or int8 /
 int4 with bf16 activations, x CompileConfig scope "model" or "layer"; bf16 only); transformers eager;
 llama.cpp (batch 1). Same prompt tokens, greedy, forced length, runs interleaved, medians. Decode tok/s:
 (new tokens after the first) x batch / (wall time of the full call - prefill time), prefill time being
@@ -53,7 +54,16 @@ from engines import Sample, TierlmEngine, TransformersEngine, open_llama
 from variants import QUESTIONS, VARIANTS, Variant, chat_prompts, parse_variants
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-TIERLM, HF, LLAMA = "tierlm eager", "transformers eager", "llama.cpp"
+TIERLM, HF, LLAMA = "tierlm eager (float weights)", "transformers eager", "llama.cpp"
+
+
+def default_engine_name(model_file: Path) -> tuple[str, str]:
+    """The row of what load() gives with no options, and its compute dtype: what a user gets."""
+    from tierlm.plan import plan
+
+    default = plan(model_file)
+    weights = f"{default.quantization.mode}" if default.quantization else "float"
+    return f"tierlm default ({weights} weights, eager)", str(default.dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -123,9 +133,14 @@ def bench_group(engines: dict, dtype: str, rows: list[list[int]], args) -> list[
 def bench_dtype(dtype: str, args, model_file: Path, llama) -> list[Result]:
     import tierlm
 
+    engines = {}
+    default_name, default_dtype = default_engine_name(model_file)
+    if dtype == default_dtype:  # first, in the group of its compute dtype
+        status(f"loading {default_name} ...")
+        engines[default_name] = TierlmEngine(tierlm.load(model_file))
     status(f"loading tierlm ({dtype}) ...")
-    model = tierlm.load(model_file, dtype=dtype)
-    engines = {TIERLM: TierlmEngine(model)}
+    model = tierlm.load(model_file, dtype=dtype, quantize=None)
+    engines[TIERLM] = TierlmEngine(model)
     if dtype == "bfloat16":  # compiled variants compute in bf16
         for v in args.variants:
             status(f"loading {v.name} ...")
@@ -298,11 +313,10 @@ def run(args, cache_dir: str) -> None:
     if max(args.batches) > 1:
         print(f"batch {max(args.batches)}: {widths[0]}-{widths[-1]} tokens, left-padded; ", end="")
     print(f"{args.new_tokens} new tokens forced, greedy; {machine_load()} at the start")
-    from tierlm.plan import plan
-
-    default = plan(model_file)
-    weights = f"{default.quantization.mode} weights" if default.quantization else "float weights"
-    print(f"tierlm's default here (load() with no options): {str(default.dtype)[6:]}, {weights}, eager")
+    default_name, default_dtype = default_engine_name(model_file)
+    print(f"first row: {default_name}, load() with no options ({default_dtype} activations)")
+    if default_dtype not in args.dtypes:
+        print(f"  not measured: --dtypes lacks {default_dtype}")
     if warning:
         print(warning)
     if variants:
