@@ -350,6 +350,30 @@ def test_a_request_brings_its_chat_template_and_documents(model):
             assert completion.status_code == 400 and completion.json()["error"]["param"] == "documents"
 
 
+NAMED = "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n{% endfor %}"
+
+
+def test_a_message_name_reaches_the_chat_template_as_in_vllm(model):
+    """A message's `name` (AutoGen, multi-agent chats) is handed to the chat template, which may render it (a
+    template of the request's) or not (the model's own, which ignores it): never a 400."""
+    messages = [{"role": "user", "content": "hi", "name": "bob"}, {"role": "assistant", "content": "yo"}]
+    with serve(model, trust_request_chat_template=True) as live:
+        with httpx.Client(base_url=live.url, trust_env=False, timeout=120) as http:
+            tokens = http.post("/tokenize", json={"messages": messages, "chat_template": NAMED}).json()[
+                "tokens"
+            ]
+            text = "user (bob): hi\nassistant: yo\n"
+            assert tokens == model.tokenizer.encode(text, add_special_tokens=False)
+            body = {"model": NAME, "max_tokens": 1, "messages": messages}
+            served = http.post("/v1/chat/completions", json=body)
+            assert served.status_code == 200, served.text
+            unnamed = [{k: v for k, v in m.items() if k != "name"} for m in messages]
+            plain = model.tokenizer.encode(
+                model.tokenizer.apply_chat_template(unnamed), add_special_tokens=False
+            )
+            assert served.json()["usage"]["prompt_tokens"] == len(plain)
+
+
 def test_bad_words_are_never_written(http, model):
     """vLLM's bad_words: a two-token word the greedy run writes is cut off at its second token, the same as
     the library's run, and a one-token word the model is pushed to write never comes."""

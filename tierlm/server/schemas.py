@@ -212,7 +212,6 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
-        "name": ((), "is not supported: the chat template has no place for it"),
         "tool_calls": (([],), NO_TOOLS),
         "tool_call_id": ((), NO_TOOLS),
         "function_call": ((), NO_TOOLS),
@@ -234,7 +233,10 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for it
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:  # a speaker's name (AutoGen, multi-agent chats): the template may use it
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Common):
