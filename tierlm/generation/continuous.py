@@ -393,7 +393,7 @@ class SlotBatch:
             r.tracker.push(token)
         reason = None
         if r.tracker.stopped_at is not None or ends or self.sampler.complete(row):
-            reason = "stop"
+            reason = self.sampler.end_reason(row)
         elif r.seq.cancelled:
             reason = "cancelled"
         elif r.tokens >= r.seq.config.max_new_tokens:

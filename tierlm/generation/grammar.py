@@ -6,6 +6,14 @@ writes the rows' allowed tokens as a bitmask and turns it into a [batch, vocab] 
 ops (no Python loop over the vocabulary), and after it advances each matcher with the row's token. A row
 whose grammar is complete ends (finish reason "stop"). Rows without a format are left unconstrained.
 
+A row with a token budget always ends with a complete answer (JSON, or a choice). Before a sampled token
+is taken, the tokens of the shortest text that would close the answer after it (`tierlm.generation.closing`,
+tokenized by the model's tokenizer) are counted; if they no longer fit in what the budget leaves after that
+token, the sampled token is dropped and the closing of the answer so far (which fit, by the same check one
+token earlier) is forced token by token instead. The matcher checks each closing before it is forced; a
+closing it refuses, or a format without a closer (a regex, a Lark grammar), leaves the row unforced. A
+forced row's finish reason is "length" (the budget cut the answer short), its content still valid.
+
 Why llguidance. Compared on SmolLM2's tokenizer (49152 tokens) and a schema with nested objects, arrays,
 enums, a pattern and required fields, on a contended 2-core CPU (so relative, not absolute numbers):
 llguidance 1.9 compiles the schema in ~2-4 ms (its Earley parser computes masks lazily) and computes a mask
@@ -19,11 +27,13 @@ Either of the first two costs far less than one decode step of the default model
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import torch
 
 from tierlm.errors import RequestError
+from tierlm.generation.closing import ChoiceCloser, JsonCloser
 from tierlm.generation.response_format import ResponseFormat, llguidance_module
 
 _NEG_INF = float("-inf")
@@ -58,10 +68,20 @@ class GrammarMask:
         self.rows = rows
         self.matchers: list = [None] * rows
         self.tokenizer = self.executor = self.bitmask = None  # built with the first format
+        # per row with a budget: its closer (the answer so far, read incrementally; None: unforced), its
+        # budget, the closing tokens of its answer so far, those still to force, whether a closing was forced
+        self.closers: list = [None] * rows
+        self.budgets: list[int | None] = [None] * rows
+        self.closing: list[list[int] | None] = [None] * rows
+        self.forcing: list[list[int]] = [[] for _ in range(rows)]
+        self.forced = [False] * rows
 
-    def set_row(self, row: int, fmt: ResponseFormat | None) -> None:
-        """Give `row` a fresh matcher for `fmt` (None: unconstrained), e.g. when a new sequence takes it."""
-        self.matchers[row] = None
+    def set_row(self, row: int, fmt: ResponseFormat | None, budget: int | None = None) -> None:
+        """Give `row` a fresh matcher for `fmt` (None: unconstrained), e.g. when a new sequence takes it; with
+        a `budget` (its max_new_tokens) the answer is closed within it, and a budget below the format's shortest
+        answer is a RequestError."""
+        self.matchers[row], self.closers[row], self.budgets[row] = None, None, None
+        self.closing[row], self.forcing[row], self.forced[row] = None, [], False
         if fmt is None:
             return
         if self.tokenizer is None:
@@ -70,6 +90,51 @@ class GrammarMask:
         if matcher.is_error():
             raise RequestError(f"response_format cannot be enforced: {matcher.get_error()}")
         self.matchers[row] = matcher
+        closer = closer_of(fmt)
+        if closer is None or budget is None:
+            return
+        shortest = _checked(matcher, self._closing(closer))
+        if shortest is None:
+            return  # a closer that cannot close this grammar: unforced
+        if len(shortest) > budget:
+            raise RequestError(too_short("max_new_tokens", budget, self.source, shortest))
+        self.closers[row], self.budgets[row], self.closing[row] = closer, budget, shortest
+
+    def within_budget(self, rows: list[int], tokens: list[int], steps: list[int]) -> list[int] | None:
+        """`tokens` (sampled for `rows`, each with `steps` tokens before it) with the tokens that keep each
+        budgeted row closable within its budget in their place; None when nothing changed."""
+        changed = False
+        out = list(tokens)
+        for i, (row, token, done) in enumerate(zip(rows, tokens, steps)):
+            if self.forcing[row]:
+                out[i] = self.forcing[row].pop(0)
+            elif self.closers[row] is not None and self._live(row) and token not in self.eos_ids:
+                after = self.closers[row].after(self.tokenizer.decode_bytes([token]))
+                closing = self._closing(after)
+                before = self.closing[row]  # the closing of the answer so far: it fit, by the last check
+                left = self.budgets[row] - done - 1  # after this token
+                if (
+                    closing is None
+                    or len(closing) <= left
+                    or not before
+                    or not _closes(self.matchers[row], before)
+                ):
+                    # it still fits; or unknown from here, or refused: the row runs unforced
+                    self.closers[row], self.closing[row] = (
+                        (after, closing) if closing is not None else (None, None)
+                    )
+                    continue
+                out[i], self.forcing[row], self.forced[row] = before[0], before[1:], True
+            changed = changed or out[i] != token
+        return out if changed else None
+
+    def _closing(self, closer) -> list[int] | None:
+        closing = None if closer is None else closer.closing()
+        return None if closing is None else self.tokenizer.tokenize_bytes(closing)
+
+    def closed_by_budget(self, row: int) -> bool:
+        """True when `row`'s answer was closed early because its budget ran out (finish reason "length")."""
+        return self.forced[row]
 
     def _build(self) -> None:
         if self.source is None:
@@ -107,3 +172,48 @@ class GrammarMask:
     def _live(self, row: int) -> bool:
         matcher = self.matchers[row]
         return matcher is not None and not matcher.is_stopped()
+
+
+def closer_of(fmt: ResponseFormat) -> JsonCloser | ChoiceCloser | None:
+    """The closer of an empty answer under `fmt`; None for a format with no closer here (a regex, a Lark
+    grammar)."""
+    if fmt.type == "json_schema":
+        return JsonCloser(json.loads(fmt.schema or "{}"))
+    if fmt.type == "json_object":
+        return JsonCloser({"type": "object"})
+    if fmt.type == "choice":
+        return ChoiceCloser(json.loads(fmt.schema or "[]"))
+    return None
+
+
+def _closes(matcher, ids: list[int]) -> bool:
+    """Whether the matcher, from where it is, takes `ids` and is then complete (tried on a copy)."""
+    trial = matcher.deep_copy()
+    return trial.try_consume_tokens(ids) == len(ids) and (trial.is_accepting() or trial.is_stopped())
+
+
+def _checked(matcher, ids: list[int] | None) -> list[int] | None:
+    return ids if ids is not None and _closes(matcher, ids) else None
+
+
+def shortest_answer(tokenizer, vocab: int, eos_ids, fmt: ResponseFormat) -> list[int] | None:
+    """The tokens of the shortest answer `fmt` allows, as `GrammarMask` would force it (None: no closer)."""
+    closer = closer_of(fmt)
+    if closer is None:
+        return None
+    lltokenizer = grammar_tokenizer(tokenizer, vocab, tuple(eos_ids))
+    matcher = llguidance_module().LLMatcher(lltokenizer, fmt.grammar)
+    closing = closer.closing()
+    return (
+        None
+        if matcher.is_error() or closing is None
+        else _checked(matcher, lltokenizer.tokenize_bytes(closing))
+    )
+
+
+def too_short(field: str, budget: int, tokenizer, shortest: list[int]) -> str:
+    text = tokenizer.decode(shortest)
+    return (
+        f"{field} {budget} is below the {len(shortest)} tokens of the shortest answer response_format "
+        f"allows ({text!r})"
+    )

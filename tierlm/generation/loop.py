@@ -115,8 +115,16 @@ class Sampler:
         self.grammar = None  # a grammar.GrammarMask, set before set_row when a row has a response_format
         self.bad_words = None  # a bad_words.BadWords, set before set_row where there is a tokenizer
 
-    def set_row(self, row: int, config: GenerationConfig, prompt: list[int], choice: int = 0) -> None:
-        """Give `row` to a new sequence: its settings, its prompt (for the repetition penalty), its RNG."""
+    def set_row(
+        self,
+        row: int,
+        config: GenerationConfig,
+        prompt: list[int],
+        choice: int = 0,
+        budget: int | None = None,
+    ) -> None:
+        """Give `row` to a new sequence: its settings, its prompt (for the repetition penalty), its RNG; a
+        structured answer closes within `budget` new tokens (default: the config's max_new_tokens)."""
         self.configs[row] = c = config
         self.temperature[row] = c.temperature if not c.greedy else 1.0
         self.top_k[row], self.top_p[row], self.min_p[row] = c.top_k, c.top_p, c.min_p
@@ -130,7 +138,7 @@ class Sampler:
             self.generators[row] = torch.Generator(device=self.device).manual_seed(seed)
         self._set_tables(row, c, prompt)
         if self.grammar is not None:
-            self.grammar.set_row(row, c.response_format)
+            self.grammar.set_row(row, c.response_format, c.max_new_tokens if budget is None else budget)
         if self.bad_words is not None:
             self.bad_words.set_row(row, c.bad_words)
         elif c.bad_words:
@@ -216,9 +224,15 @@ class Sampler:
                 if self.generators[row] is not None:
                     noise[i].exponential_(1, generator=self.generators[row])
             tokens = torch.where(pick(self.sampled), draw(warped.softmax(dim=-1), noise), tokens)
+        host = None
+        if self.grammar is not None:  # a structured answer that must close within its budget
+            host = tokens.tolist()  # the loop reads them next anyway: no extra wait
+            kept = self.grammar.within_budget(rows, host, self.steps[index.cpu()].tolist())
+            if kept is not None:
+                host, tokens = kept, torch.tensor(kept, dtype=tokens.dtype, device=tokens.device)
         self._record(index, tokens)
         if self.grammar is not None or bad:
-            host = tokens.tolist()  # the loop reads them next anyway: no extra wait
+            host = tokens.tolist() if host is None else host
             if self.grammar is not None:
                 self.grammar.advance(rows, host)
             if bad:
@@ -228,6 +242,11 @@ class Sampler:
     def complete(self, row: int) -> bool:
         """True once `row`'s response_format grammar has matched a whole document: the row ends."""
         return self.grammar is not None and self.grammar.complete(row)
+
+    def end_reason(self, row: int) -> str:
+        """Why a row that ends by EOS, a stop or its complete grammar ends: "length" where its budget forced
+        its structured answer closed, else "stop"."""
+        return "length" if self.grammar is not None and self.grammar.closed_by_budget(row) else "stop"
 
     def _record(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
         self.steps[index.cpu()] += 1
@@ -333,7 +352,7 @@ def _row_event(
     stop_hit = should_stop is not None and should_stop(row)  # sees every token, an ending one included
     # an ending token (EOS, stop_token_ids) cannot be sampled before min_new_tokens
     if stop_hit or sampler.ends_with(row, token) or sampler.complete(row):
-        reason = "stop"
+        reason = sampler.end_reason(row)
     elif row in state.cancelled:
         reason = "cancelled"
     elif i + 1 >= state.limits[row]:

@@ -264,7 +264,7 @@ class Generation:
             sampler.grammar = GrammarMask(self.model.tokenizer, b, self.model.config.vocab_size, self.eos_ids)
         for row in range(b):
             prompt = self.batch.ids[row][self.batch.mask[row]].tolist()
-            sampler.set_row(row, self.row_configs[row], prompt, self.choices[row])
+            sampler.set_row(row, self.row_configs[row], prompt, self.choices[row], self.state.limits[row])
         return sampler
 
     def _tracked(self, should_stop, sampler: Sampler):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tierlm.generation.config import GenerationConfig
+from tierlm.generation.grammar import shortest_answer, too_short
 from tierlm.generation.run import eos_token_ids
 from tierlm.server.errors import APIError, short_repr
 from tierlm.server.schemas import _Common
@@ -48,6 +49,12 @@ def request_config(
     if config.response_format is not None and not eos_token_ids(state.model, config):
         message = "response_format needs a model with an end-of-sequence token, and this one names none"
         raise APIError(400, message, "response_format")
+    if config.response_format is not None:  # an answer that cannot close within max_tokens: refused now
+        tok, eos = state.model.tokenizer, eos_token_ids(state.model, config)
+        shortest = shortest_answer(tok, state.model.config.vocab_size, eos, config.response_format)
+        if shortest is not None and len(shortest) > max_tokens:
+            field = getattr(body, "max_tokens_field", "max_tokens")
+            raise APIError(400, too_short(field, max_tokens, tok, shortest), field)
     return config
 
 
