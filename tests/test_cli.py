@@ -199,6 +199,43 @@ def test_chat_goes_on_after_a_message_the_context_cannot_hold():
     assert len(replies) == 4 and replies[1] == "" and replies[0].strip() and replies[2].strip()
 
 
+def test_chat_with_tools_prints_each_call_and_reads_its_result(tmp_path):
+    """`tierlm chat --tools FILE`: a named tool choice makes the first answer a call, printed with its JSON
+    arguments; the next input line is its result, and the model then answers in text."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city", "unit"],
+                },
+            },
+        }
+    ]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    args = (
+        "chat",
+        "--tools",
+        str(tmp_path / "tools.json"),
+        "--tool-choice",
+        "get_weather",
+        "--max-new-tokens",
+        "40",
+    )
+    proc = tierlm(*args, stdin="What is the weather in Paris?\n18 degrees, clear\n")
+    assert proc.returncode == 0, proc.stderr
+    call = next(line for line in proc.stdout.splitlines() if "call get_weather(" in line)
+    arguments = json.loads(call[call.index("(") + 1 : call.rindex(")")])
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    after = proc.stdout.split("get_weather result> ", 1)[1]
+    assert after.strip() and not after.lstrip().startswith("call ")  # a text answer (tool_choice auto now)
+    bad = tierlm("chat", "--tools", str(tmp_path / "missing.json"), stdin="")
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("tierlm: error: --tools")
+
+
 def test_plan_shows_tiers_streaming_and_decision():
     proc = tierlm(
         "plan", "--dtype", "float32", "--device-map", "auto", "--max-memory", "cpu=350MB", "--compile"

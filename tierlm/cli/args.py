@@ -103,6 +103,15 @@ def _add_chat(sub) -> None:
     add_model_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="a JSON file of OpenAI function tools (a list, or {'tools': [...]}): calls are printed and each "
+        "tool's result is read from the next input line",
+    )
+    chat.add_argument(
+        "--tool-choice", default="auto", help="auto (default), required, none, or a function's name"
+    )
 
 
 def _add_plan(sub) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from tierlm.cli.common import generation_config, load_model, status, use_packages
 
@@ -85,6 +86,7 @@ def result_json(result) -> dict:
 
 
 def cmd_chat(args) -> int:
+    tools = _read_tools(args.tools) if args.tools else None  # before the load: a bad file costs no wait
     config = generation_config(args)
     model = load_model(args)
     use_packages(model, config)
@@ -103,6 +105,10 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
+        if tools is not None:
+            if not _tool_turns(model, config, history, tools, args.tool_choice):
+                return 0
+            continue
         text = model.tokenizer.apply_chat_template(history, add_generation_prompt=True)
         try:
             prompt = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
@@ -118,3 +124,52 @@ def cmd_chat(args) -> int:
             sys.stdout.flush()
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _read_tools(path: str) -> list:
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tools {path}: {e}") from None
+    tools = tools.get("tools") if isinstance(tools, dict) else tools
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"--tools {path}: expected a list of function tools (or {{'tools': [...]}})")
+    return tools
+
+
+def _tool_turns(model, config, history: list[dict], tools: list, choice: str) -> bool:
+    """One user turn with tools: answers until one is text, each call printed and its result read from the
+    next input line (False: input ended)."""
+    from tierlm.generation.tools import tool_use
+
+    tok = model.tokenizer
+    choice = (
+        choice
+        if choice in ("auto", "required", "none")
+        else {"type": "function", "function": {"name": choice}}
+    )
+    while True:
+        use = tool_use(tools, choice, None, tok.chat_template)
+        messages = use.template_messages(history) if use else history
+        extra = {"tools": [t.as_dict() for t in use.tools]} if use and use.renders_tools else {}
+        prompt = tok.encode(tok.apply_chat_template(messages, **extra), add_special_tokens=False)
+        check_room(model, len(prompt), config.max_new_tokens)
+        turn = config.replace(response_format=use.response_format()) if use else config
+        text = model.generate([prompt], turn).texts[0]
+        content, calls = use.parse(text) if use else (text, [])
+        if not calls:
+            print(text)
+            history.append({"role": "assistant", "content": text})
+            return True
+        history.append(
+            {"role": "assistant", "content": content or "", "tool_calls": [c.as_dict() for c in calls]}
+        )
+        for call in calls:
+            print(f"call {call.name}({call.arguments})")
+            try:
+                result = input(f"{call.name} result> ")
+            except EOFError:
+                print()
+                return False
+            history.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        choice = "auto"  # with the results in hand the model may answer (a forced choice would call again)

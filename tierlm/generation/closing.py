@@ -43,6 +43,20 @@ def choice_closing(choices: list[str], text: str) -> str | None:
     return min(rests, key=len) if rests else None
 
 
+def value_end(schema: dict, text: str) -> tuple[int | None, str | None]:
+    """Where a JSON value valid under `schema` that `text` starts with ends (index, None), or, if it does not
+    end in `text`, the closing that ends it (None, closing); (None, None) where unknown."""
+    partial = _Partial(schema)
+    try:
+        for i, char in enumerate(text):
+            partial.feed(char)
+            if len(partial.stack) == 1 and partial.stack[0].state == "done":
+                return i + 1, None
+        return None, partial.close()
+    except Exception:  # Unknown, or a schema keyword of an odd type
+        return None, None
+
+
 class JsonCloser:
     """A JSON answer read a token's bytes at a time (each `after` a new closer, the old one unchanged), and the
     bytes of its shortest closing. Bytes that end inside a character wait for the rest of it; a closing from
@@ -60,7 +74,7 @@ class JsonCloser:
         try:
             for char in raw[:cut].decode("utf-8"):
                 new.partial.feed(char)
-        except (Unknown, UnicodeDecodeError, RecursionError):
+        except Exception:  # Unknown, or a schema keyword of an odd type: unforced, never a failed request
             return None
         return new
 
@@ -72,7 +86,7 @@ class JsonCloser:
             for char in (self.pending + fill).decode("utf-8"):
                 partial.feed(char)
             return fill + partial.close().encode("utf-8")
-        except (Unknown, UnicodeDecodeError, RecursionError):
+        except Exception:  # Unknown, or a schema keyword of an odd type: unforced, never a failed request
             return None
 
 
@@ -443,9 +457,10 @@ class _Partial:
             parent = self.stack[-2]
             names = [n for n in self._names(parent) if n not in parent.seen and _raw(n).startswith(top.buf)]
             required = [n for n in self._required(parent) if n in names]
-            pick = required or names
-            if pick:
-                return min((_raw(n)[len(top.buf) :] for n in pick), key=len)
+            if required:  # the first in the grammar's order: the others must follow it
+                return _raw(required[0])[len(top.buf) :]
+            if names:
+                return min((_raw(n)[len(top.buf) :] for n in names), key=len)
             if any(_extra(s) is not False for s in parent.schemas):
                 return ""
             raise Unknown("no property name fits")
@@ -498,7 +513,10 @@ class _Partial:
         return list(dict.fromkeys(n for s in frame.schemas for n in (s.get("properties") or {})))
 
     def _required(self, frame: _Frame) -> list[str]:
-        return list(dict.fromkeys(n for s in frame.schemas[:1] for n in (s.get("required") or [])))
+        """The required properties in the order the grammar writes properties (the schema's `properties`)."""
+        order = {n: i for i, n in enumerate(self._names(frame))}
+        names = dict.fromkeys(n for s in frame.schemas[:1] for n in (s.get("required") or []))
+        return sorted(names, key=lambda n: order.get(n, len(order)))
 
     def _shortest(self, schemas: list) -> str:
         options = []

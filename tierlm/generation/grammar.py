@@ -113,20 +113,27 @@ class GrammarMask:
                 closing = self._closing(after)
                 before = self.closing[row]  # the closing of the answer so far: it fit, by the last check
                 left = self.budgets[row] - done - 1  # after this token
-                if (
-                    closing is None
-                    or len(closing) <= left
-                    or not before
-                    or not _closes(self.matchers[row], before)
-                ):
+                if closing is None or len(closing) <= left or not self._can_force(row, before):
                     # it still fits; or unknown from here, or refused: the row runs unforced
                     self.closers[row], self.closing[row] = (
                         (after, closing) if closing is not None else (None, None)
                     )
                     continue
-                out[i], self.forcing[row], self.forced[row] = before[0], before[1:], True
+                forced = before or [self.eos_ids[0]]  # a complete answer that could go on: it ends here
+                out[i], self.forcing[row], self.forced[row] = forced[0], forced[1:], True
             changed = changed or out[i] != token
         return out if changed else None
+
+    def budgeted(self, rows: list[int]) -> bool:
+        """Whether any of `rows` is closed within a budget (`within_budget` has work to do)."""
+        return any(self.closers[r] is not None or self.forcing[r] for r in rows)
+
+    def _can_force(self, row: int, closing: list[int] | None) -> bool:
+        if closing is None:
+            return False
+        if not closing:  # nothing left to write: the end-of-sequence token, where the answer may end
+            return bool(self.eos_ids) and self.matchers[row].is_accepting()
+        return _closes(self.matchers[row], closing)
 
     def _closing(self, closer) -> list[int] | None:
         closing = None if closer is None else closer.closing()
@@ -177,6 +184,8 @@ class GrammarMask:
 def closer_of(fmt: ResponseFormat) -> JsonCloser | ChoiceCloser | None:
     """The closer of an empty answer under `fmt`; None for a format with no closer here (a regex, a Lark
     grammar)."""
+    if fmt.closer is not None:
+        return fmt.closer()
     if fmt.type == "json_schema":
         return JsonCloser(json.loads(fmt.schema or "{}"))
     if fmt.type == "json_object":

@@ -225,7 +225,7 @@ class Sampler:
                     noise[i].exponential_(1, generator=self.generators[row])
             tokens = torch.where(pick(self.sampled), draw(warped.softmax(dim=-1), noise), tokens)
         host = None
-        if self.grammar is not None:  # a structured answer that must close within its budget
+        if self.grammar is not None and self.grammar.budgeted(rows):  # answers that must close in budget
             host = tokens.tolist()  # the loop reads them next anyway: no extra wait
             kept = self.grammar.within_budget(rows, host, self.steps[index.cpu()].tolist())
             if kept is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierlm.errors import RequestError
@@ -41,6 +41,8 @@ class ResponseFormat:
     schema: str | None = None  # json_schema's schema as canonical JSON text; the regex, choices or grammar
     name: str | None = None
     grammar: str = ""  # llguidance's grammar, compiled from the schema
+    # a grammar's own closer of an empty answer, where it has one (tool calls: tierlm.generation.tools)
+    closer: Any = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The OpenAI form this was parsed from."""

@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tierlm.generation.loop import TokenLogprob
+from tierlm.generation.tools import ToolUse
 from tierlm.server.batcher import SHUTDOWN_MESSAGE, Event, Request, Scheduler
 from tierlm.server.errors import APIError, error_body
 from tierlm.tokenizer.pieces import piece_text
@@ -41,6 +42,10 @@ class Choice:
     counted: int = 0
     echoed: int = 0
     counter: object = None
+    # with tools, a stream holds its text back while it may still become calls: "" (undecided), "text" or
+    # "calls"; the log probability entries held meanwhile
+    mode: str = ""
+    held: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Reply:
     token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
     skip_special: bool = True  # the answer's text leaves special tokens out (vLLM's skip_special_tokens)
     prompt_top: int | None = None  # vLLM's prompt_logprobs: top tokens per prompt token (None: not asked)
+    tool_use: ToolUse | None = None  # the request's tools: answers are parsed for calls
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -191,15 +197,21 @@ class Reply:
             c.offset, c.counted, c.counter = 0, 0, None
             logprobs = self._logprobs(c.logprobs, c)
             text = "".join(c.parts)
+            reason = c.finish_reason
             if self.chat:
-                choice = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                }
+                message: dict = {"role": "assistant", "content": text}
+                content, calls = self.tool_use.parse(text) if self.tool_use else (text, [])
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [x.as_dict() for x in calls],
+                    }
+                    reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs}
-            choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+            choice["finish_reason"], choice["stop_reason"] = reason, c.stop_reason
             if self.prompt_top is not None and not self.chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
             choices.append(choice)
@@ -236,6 +248,36 @@ class Reply:
         if self.include_usage:  # with continuous_usage, the choice's tokens so far
             out["usage"] = self.usage(self.state[index].tokens) if self.continuous_usage else None
         return out
+
+    def route(self, index: int, text: str, entries: list[TokenLogprob]) -> tuple[str, list] | None:
+        """With tools, what of a streamed delta goes out now as text: None while the answer may still be calls
+        (held), the held text with this delta once it cannot be."""
+        c = self.state[index]
+        if c.mode == "text":
+            return text, entries
+        c.held.extend(entries)
+        whole, opener = "".join(c.parts).lstrip(), self.tool_use.form.opener()
+        if c.mode == "calls" or opener.startswith(whole):
+            return None
+        if whole.startswith(opener):
+            c.mode = "calls"
+            return None
+        c.mode, held = "text", c.held
+        c.held = []
+        return "".join(c.parts), held
+
+    def end_chunks(self, index: int) -> list[dict]:
+        """With tools, the chunks that end a streamed choice: its calls (each whole, with its index, id and
+        name), or the text it held back."""
+        c = self.state[index]
+        content, calls = self.tool_use.parse("".join(c.parts)) if c.mode != "text" else ("", [])
+        if not calls:
+            text, c.mode = ("".join(c.parts) if c.mode != "text" else ""), "text"
+            return [self.chunk(text, index=index, entries=c.held)] if text else []
+        deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
+        chunk = self.chunk(index=index)
+        chunk["choices"][0]["delta"] = {"content": content, "tool_calls": deltas}
+        return [chunk]
 
     def usage_chunk(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -303,6 +345,10 @@ async def event_stream(requests: list[Request], reply: Reply) -> AsyncIterator[s
             break
         if event.kind == "delta":
             text, entries = reply.add(event)
+            if reply.tool_use is not None and (out := reply.route(event.index, text, entries)) is None:
+                continue  # may still be calls: held
+            if reply.tool_use is not None:
+                text, entries = out
             yield _sse(reply.chunk(text, index=event.index, entries=entries))
             continue
         left -= 1
@@ -310,7 +356,13 @@ async def event_stream(requests: list[Request], reply: Reply) -> AsyncIterator[s
             text, entries = reply.add(Event("delta", index=event.index))
             yield _sse(reply.chunk(text, index=event.index, entries=entries))
         reply.finish(event)
-        end = reply.chunk(None if reply.chat else "", event.finish_reason, index=event.index)
+        reason = event.finish_reason
+        if reply.tool_use is not None:
+            for chunk in reply.end_chunks(event.index):
+                if chunk["choices"][0]["delta"].get("tool_calls") and reason == "stop":
+                    reason = "tool_calls"
+                yield _sse(chunk)
+        end = reply.chunk(None if reply.chat else "", reason, index=event.index)
         end["choices"][0]["stop_reason"] = event.stop_reason  # vLLM's, in the chunk that ends a choice
         yield _sse(end)
     else:

@@ -13,6 +13,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from tierlm import cpu
+from tierlm.errors import RequestError
+from tierlm.generation.tools import ToolUse, history_use, tool_use
 from tierlm.server import settings
 from tierlm.server.batcher import Scheduler
 from tierlm.server.errors import APIError
@@ -157,7 +159,7 @@ def _model_card(state: ServerState) -> dict:
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
 
 
-def _template_text(state: ServerState, body) -> str:
+def _template_text(state: ServerState, body, use: ToolUse | None = None) -> str:
     """The chat of `body` (a chat completion or a /tokenize of messages) rendered by the model's template,
     or the request's `chat_template` where the server trusts requests' templates, with vLLM's `documents`
     and chat_template_kwargs as more variables."""
@@ -169,9 +171,16 @@ def _template_text(state: ServerState, body) -> str:
     if own is not None:
         message = f"chat_template_kwargs cannot set {own!r}: it is the request's own field, or refused"
         raise APIError(400, message, "chat_template_kwargs")
+    messages = [m.as_template_input() for m in body.messages]
+    if use is None and any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        use = history_use(body.chat_template or state.model.tokenizer.chat_template)
+    if use is not None:  # past calls, tool results and the tools as the template's family writes them
+        messages = use.template_messages(messages)
+        if use.tools and use.renders_tools:
+            extra = {**extra, "tools": [t.as_dict() for t in use.tools]}
     try:
         return state.model.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in body.messages],
+            messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template=body.chat_template,
@@ -272,7 +281,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
 @_generation_route("/v1/chat/completions", ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state = _checked_state(http, body)
-    ids = settings.truncated(state, body, await asyncio.to_thread(_chat_prompt_ids, state, body))
+    use = _tool_use(state, body)
+    ids = settings.truncated(state, body, await asyncio.to_thread(_chat_prompt_ids, state, body, use))
     max_tokens = settings.max_tokens(
         state,
         len(ids),
@@ -282,9 +292,29 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         body.max_tokens_field,
     )
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reply = _reply(state, body, chat=True, prompt_tokens=len(ids), choices=body.n or 1, top=top)
+    reply = _reply(state, body, chat=True, prompt_tokens=len(ids), choices=body.n or 1, top=top, tool_use=use)
     config = settings.request_config(state, body, max_tokens, top, body.prompt_logprobs)
+    if use is not None:  # the answer is generated under the calls' grammar
+        try:
+            config = config.replace(response_format=use.response_format())
+        except RequestError as err:
+            raise APIError(400, str(err), "tools") from err
+        settings.check_closable(state, body, config)
     return await _respond(state, http, body, [ids], [config], reply)
+
+
+def _tool_use(state: ServerState, body: ChatCompletionRequest) -> ToolUse | None:
+    template = body.chat_template or state.model.tokenizer.chat_template
+    try:
+        use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+    except RequestError as err:
+        raise APIError(
+            400, str(err), "tool_choice" if str(err).startswith("tool_choice") else "tools"
+        ) from err
+    if use is not None and body.parsed_response_format is not None:
+        message = "response_format and tools each constrain the answer: send one (or tool_choice 'none')"
+        raise APIError(400, message, "response_format")
+    return use
 
 
 def _reply(state: ServerState, body: _Common, **shape) -> Reply:
@@ -301,8 +331,8 @@ def _reply(state: ServerState, body: _Common, **shape) -> Reply:
     )
 
 
-def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    text = _template_text(state, body)
+def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, use: ToolUse | None) -> list[int]:
+    text = _template_text(state, body, use)
     # the template writes its own special tokens; as transformers does, encode without adding more
     return state.model.tokenizer.encode(text, add_special_tokens=False)
 

@@ -14,7 +14,7 @@ from tierlm.server.errors import APIError, short_repr
 from tierlm.server.structured import STRUCTURED, constraint
 
 MAX_STOPS = 16  # OpenAI's API takes 4, vLLM any number; lm-evaluation-harness sends a task's stops and EOS
-NO_TOOLS = "is not supported: this server does not call tools"
+NO_FUNCTIONS = "is OpenAI's older form of tools, not supported: send tools and tool_choice"
 MAX_LOGPROBS = 20  # as OpenAI's API: logprobs (completions) and top_logprobs (chat) up to this
 MAX_N = 16  # choices per request (each takes a row of the batch)
 # vLLM's extensions to OpenAI's API this server does not implement, with the values it accepts (vLLM's
@@ -212,9 +212,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
-        "tool_calls": (([],), NO_TOOLS),
-        "tool_call_id": ((), NO_TOOLS),
-        "function_call": ((), NO_TOOLS),
+        "function_call": ((), NO_FUNCTIONS),
         "audio": ((), "is not supported: this server only reads and writes text"),
         "refusal": ((), "is not supported: send the text as content"),
     }
@@ -228,24 +226,38 @@ class ChatMessage(BaseModel):
     audio: dict | None = None
     refusal: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for it
-        message = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:  # a speaker's name (AutoGen, multi-agent chats): the template may use it
             message["name"] = self.name
+        if self.tool_calls:  # an assistant's past calls, and a tool's result (tierlm.generation.tools)
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+    def check_tool_calls(self, where: str) -> None:
+        for i, call in enumerate(self.tool_calls or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                param = f"{where}tool_calls[{i}]"
+                message = (
+                    f"{param} must be {{'id': ..., 'type': 'function', 'function': {{'name', 'arguments'}}}}"
+                )
+                raise APIError(400, f"{message}, got {short_repr(call)}", param)
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, f"{where}tool_calls is an assistant message's field", f"{where}tool_calls")
 
 
 class ChatCompletionRequest(_Common):
     LIMITS: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_Common.LIMITS,
-        "tools": (([],), NO_TOOLS),
-        "tool_choice": (("none",), "must be 'none': this server does not call tools"),
-        "functions": (([],), NO_TOOLS),
-        "function_call": (("none",), "must be 'none': this server does not call tools"),
+        "functions": (([],), NO_FUNCTIONS),
+        "function_call": (("none",), NO_FUNCTIONS),
         "modalities": ((["text"],), "must be ['text']: this server only writes text"),
         "audio": ((), "is not supported: this server only writes text"),
         "service_tier": (("auto", "default"), "must be 'auto' or 'default': this server has one tier"),
@@ -267,7 +279,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: no tools are ever called
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
     functions: list[dict] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -296,7 +308,8 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for i, message in enumerate(self.messages):
             refuse_unless_default(message, message.LIMITS, f"messages[{i}].")
-            if message.content is None:  # an assistant's may be null only beside tool calls, refused above
+            message.check_tool_calls(f"messages[{i}].")
+            if message.content is None and not message.tool_calls:  # an assistant's may be null beside calls
                 param = f"messages[{i}].content"
                 raise APIError(400, f"{param} is required (a {message.role} message needs its text)", param)
             if message.content == []:

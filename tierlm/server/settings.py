@@ -49,13 +49,19 @@ def request_config(
     if config.response_format is not None and not eos_token_ids(state.model, config):
         message = "response_format needs a model with an end-of-sequence token, and this one names none"
         raise APIError(400, message, "response_format")
-    if config.response_format is not None:  # an answer that cannot close within max_tokens: refused now
-        tok, eos = state.model.tokenizer, eos_token_ids(state.model, config)
-        shortest = shortest_answer(tok, state.model.config.vocab_size, eos, config.response_format)
-        if shortest is not None and len(shortest) > max_tokens:
-            field = getattr(body, "max_tokens_field", "max_tokens")
-            raise APIError(400, too_short(field, max_tokens, tok, shortest), field)
+    check_closable(state, body, config)
     return config
+
+
+def check_closable(state: ServerState, body: _Common, config: GenerationConfig) -> None:
+    """A 400 naming max_tokens where the answer's format cannot close within it (refused before it is queued)."""
+    if config.response_format is None:
+        return
+    tok, eos = state.model.tokenizer, eos_token_ids(state.model, config)
+    shortest = shortest_answer(tok, state.model.config.vocab_size, eos, config.response_format)
+    if shortest is not None and len(shortest) > config.max_new_tokens:
+        field = getattr(body, "max_tokens_field", "max_tokens")
+        raise APIError(400, too_short(field, config.max_new_tokens, tok, shortest), field)
 
 
 def _vllm_settings(state: ServerState, body: _Common, max_tokens: int) -> dict:
