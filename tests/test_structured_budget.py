@@ -109,6 +109,20 @@ def test_every_prefix_of_a_document_closes_to_a_valid_one(schema, document):
     assert choice_closing(["positive"], "x") is None
 
 
+def test_closings_write_properties_in_the_grammars_order(model, tokenizer):
+    """llguidance writes an object's properties in the order of `properties`, whatever the order of
+    `required`: the shortest answer, and a closing after an optional property, keep to it."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}, "d": {}},
+        "required": ["d", "b", "a"],
+    }
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+    shortest = shortest_answer(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids, fmt)
+    assert shortest is not None and tokenizer.decode(shortest) == '{"a": "", "b": 0, "d": 0}'
+    assert json_closing(schema, '{"a": "x", "b": 1, "c": true, "') == 'd": 0}'
+
+
 def test_a_pattern_or_an_unknown_state_is_not_closed():
     assert json_closing({"type": "string", "pattern": "^a+$"}, '"a') is None
     assert json_closing({"type": "object"}, "{]") is None

@@ -184,9 +184,11 @@ def _shortest_of_type(root: dict, schema: dict, kind: str, depth: int) -> str | 
         return "[" + ITEM.join(items) + "]"
     if kind == "object":
         props = schema.get("properties") or {}
+        order = {n: i for i, n in enumerate(props)}  # the grammar writes properties in this order
+        required = sorted(dict.fromkeys(schema.get("required") or []), key=lambda n: order.get(n, len(order)))
         parts = [
             _dump(name) + KEY + shortest_value(root, props.get(name, _extra(schema)), depth + 1)
-            for name in schema.get("required") or []
+            for name in required
         ]
         return "{" + ITEM.join(parts) + "}"
     return None
@@ -455,7 +457,7 @@ class _Partial:
     def _string_rest(self, top: _Frame) -> str:
         if top.is_key:
             parent = self.stack[-2]
-            names = [n for n in self._names(parent) if n not in parent.seen and _raw(n).startswith(top.buf)]
+            names = [n for n in self._after(parent) if _raw(n).startswith(top.buf)]
             required = [n for n in self._required(parent) if n in names]
             if required:  # the first in the grammar's order: the others must follow it
                 return _raw(required[0])[len(top.buf) :]
@@ -496,7 +498,7 @@ class _Partial:
             return self._shortest(self._property(top, top.key))
         missing = [n for n in self._required(top) if n not in top.seen]
         if top.state == "key" and not missing:  # after a comma: some property must follow
-            names = [n for n in self._names(top) if n not in top.seen]
+            names = self._after(top)
             options = [_dump(n) + KEY + self._shortest(self._property(top, n)) for n in names]
             if not options and any(_extra(s) is not False for s in top.schemas):
                 options = ['""' + KEY + self._shortest(self._property(top, ""))]
@@ -508,6 +510,12 @@ class _Partial:
             name = missing[0]
             return lead + _dump(name) + KEY + self._shortest(self._property(top, name))
         return "}"
+
+    def _after(self, frame: _Frame) -> list[str]:
+        """The properties that may still be written: those after the last one written, in the grammar's order."""
+        names = self._names(frame)
+        last = max((names.index(n) for n in frame.seen if n in names), default=-1)
+        return [n for n in names[last + 1 :] if n not in frame.seen]
 
     def _names(self, frame: _Frame) -> list[str]:
         return list(dict.fromkeys(n for s in frame.schemas for n in (s.get("properties") or {})))

@@ -27,7 +27,6 @@ Either of the first two costs far less than one decode step of the default model
 
 from __future__ import annotations
 
-import json
 import weakref
 
 import torch
@@ -113,11 +112,11 @@ class GrammarMask:
                 closing = self._closing(after)
                 before = self.closing[row]  # the closing of the answer so far: it fit, by the last check
                 left = self.budgets[row] - done - 1  # after this token
-                if closing is None or len(closing) <= left or not self._can_force(row, before):
-                    # it still fits; or unknown from here, or refused: the row runs unforced
-                    self.closers[row], self.closing[row] = (
-                        (after, closing) if closing is not None else (None, None)
-                    )
+                if closing is not None and len(closing) <= left:  # it still fits
+                    self.closers[row], self.closing[row] = after, closing
+                    continue
+                if closing is None or not self._can_force(row, before):  # unknown, or refused: unforced
+                    self.closers[row], self.closing[row] = None, None
                     continue
                 forced = before or [self.eos_ids[0]]  # a complete answer that could go on: it ends here
                 out[i], self.forcing[row], self.forced[row] = forced[0], forced[1:], True
@@ -174,7 +173,10 @@ class GrammarMask:
     def complete(self, row: int) -> bool:
         """True once `row`'s grammar has matched a whole document and allows nothing more."""
         matcher = self.matchers[row]
-        return matcher is not None and matcher.is_stopped()
+        if matcher is None:
+            return False
+        # a forced closing ends the answer, even where its grammar would go on (another tool call)
+        return matcher.is_stopped() or (self.forced[row] and not self.forcing[row] and matcher.is_accepting())
 
     def _live(self, row: int) -> bool:
         matcher = self.matchers[row]
@@ -182,17 +184,8 @@ class GrammarMask:
 
 
 def closer_of(fmt: ResponseFormat) -> JsonCloser | ChoiceCloser | None:
-    """The closer of an empty answer under `fmt`; None for a format with no closer here (a regex, a Lark
-    grammar)."""
-    if fmt.closer is not None:
-        return fmt.closer()
-    if fmt.type == "json_schema":
-        return JsonCloser(json.loads(fmt.schema or "{}"))
-    if fmt.type == "json_object":
-        return JsonCloser({"type": "object"})
-    if fmt.type == "choice":
-        return ChoiceCloser(json.loads(fmt.schema or "[]"))
-    return None
+    """The closer of an empty answer under `fmt`; None for a format with no closer (a regex, a Lark grammar)."""
+    return None if fmt.closer is None else fmt.closer()
 
 
 def _closes(matcher, ids: list[int]) -> bool:

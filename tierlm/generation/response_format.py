@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tierlm.errors import RequestError
+from tierlm.generation.closing import ChoiceCloser, JsonCloser
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
 # tierlm's types beside OpenAI's: vLLM's structured_outputs constraints, each its own key's value
@@ -41,7 +43,7 @@ class ResponseFormat:
     schema: str | None = None  # json_schema's schema as canonical JSON text; the regex, choices or grammar
     name: str | None = None
     grammar: str = ""  # llguidance's grammar, compiled from the schema
-    # a grammar's own closer of an empty answer, where it has one (tool calls: tierlm.generation.tools)
+    # () -> the closer of an empty answer (tierlm.generation.closing; tool calls: generation.tools), or None
     closer: Any = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -80,7 +82,11 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if kind in GUIDED:
         return guided(kind, value.get(kind), f"response_format.{kind}")
     if kind == "json_object":
-        return ResponseFormat("json_object", grammar=_compile({"type": "object"}))
+        return ResponseFormat(
+            "json_object",
+            grammar=_compile({"type": "object"}),
+            closer=partial(JsonCloser, {"type": "object"}),
+        )
     return _parse_json_schema(value.get("json_schema"))
 
 
@@ -107,7 +113,9 @@ def json_schema(schema: Any, where: str, name: str | None = None) -> ResponseFor
         text = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise RequestError(f"{where} is not JSON: {err}") from None
-    return ResponseFormat("json_schema", text, name, _compile(schema, where))
+    # the closer reads the schema in its own key order: the grammar writes properties in that order
+    closer = partial(JsonCloser, json.loads(json.dumps(schema)))
+    return ResponseFormat("json_schema", text, name, _compile(schema, where), closer=closer)
 
 
 def guided(kind: str, spec: Any, where: str) -> ResponseFormat:
@@ -132,7 +140,8 @@ def guided(kind: str, spec: Any, where: str) -> ResponseFormat:
     error = matcher.validate_grammar(grammar, None)
     if error:
         raise RequestError(f"{where} is not a valid {GUIDED[kind]}: {error.strip().splitlines()[0]}")
-    return ResponseFormat(kind, text, None, grammar)
+    closer = partial(ChoiceCloser, list(spec)) if kind == "choice" else None
+    return ResponseFormat(kind, text, None, grammar, closer=closer)
 
 
 def _compile(schema: dict, where: str = "response_format") -> str:

@@ -23,6 +23,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tierlm.errors import RequestError
@@ -120,7 +121,7 @@ class ToolUse:
         else:
             lines = ["start: calls", *lines]
         fmt = guided("grammar", "\n".join(lines) + "\n", "tools")
-        return dataclasses.replace(fmt, closer=lambda: ToolCloser(self))
+        return dataclasses.replace(fmt, closer=partial(ToolCloser, self))
 
     def allowed(self) -> list[Tool]:
         return [t for t in self.tools if self.choice != "function" or t.name == self.name]
@@ -129,15 +130,15 @@ class ToolUse:
         """The answer's text (None when it is only calls) and its calls; text that is not a whole call is
         text."""
         f = self.form
-        body = text.strip()
-        if not body.startswith(f.start + f.pre if f.start or f.pre else '{"name"'):
+        body = text  # as the grammar writes calls: no space before them, none inside their openers
+        if not body.startswith(f.opener()):
             return text, []
         decoder, calls, at, sep = json.JSONDecoder(), [], len(f.start), f.sep.strip()
         try:
             while True:
                 if not body.startswith(f.pre, at):
                     return text, []
-                value, at = decoder.raw_decode(body, _skip(body, at + len(f.pre)))
+                value, at = decoder.raw_decode(body, at + len(f.pre))
                 if not body.startswith(f.post, at):
                     return text, []
                 calls.append(self._call(value))
@@ -336,6 +337,8 @@ def _tool(value: Any, where: str) -> Tool:
     params = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise RequestError(f"{where}.function.parameters must be a JSON Schema object, got {_short(params)}")
+    if "type" not in params and not any(k in params for k in ("anyOf", "oneOf", "allOf", "$ref")):
+        params = {"type": "object", **params}  # arguments are an object (`{}` would admit any value)
     description = function.get("description")
     return Tool(name, description if isinstance(description, str) else None, params)
 

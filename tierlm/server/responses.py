@@ -256,7 +256,7 @@ class Reply:
         if c.mode == "text":
             return text, entries
         c.held.extend(entries)
-        whole, opener = "".join(c.parts).lstrip(), self.tool_use.form.opener()
+        whole, opener = "".join(c.parts), self.tool_use.form.opener()  # as strict as the grammar and parse()
         if c.mode == "calls" or opener.startswith(whole):
             return None
         if whole.startswith(opener):
@@ -275,7 +275,7 @@ class Reply:
             text, c.mode = ("".join(c.parts) if c.mode != "text" else ""), "text"
             return [self.chunk(text, index=index, entries=c.held)] if text else []
         deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
-        chunk = self.chunk(index=index)
+        chunk = self.chunk(index=index, entries=c.held)
         chunk["choices"][0]["delta"] = {"content": content, "tool_calls": deltas}
         return [chunk]
 

@@ -297,9 +297,9 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     if use is not None:  # the answer is generated under the calls' grammar
         try:
             config = config.replace(response_format=use.response_format())
-        except RequestError as err:
+            settings.check_closable(state, body, config)
+        except RequestError as err:  # a schema the grammar refuses; a model without end-of-sequence token
             raise APIError(400, str(err), "tools") from err
-        settings.check_closable(state, body, config)
     return await _respond(state, http, body, [ids], [config], reply)
 
 
