@@ -45,9 +45,11 @@ import sys, tierlm
 from tierlm.server import run_server
 path, dtype, port, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 batching = sys.argv[5] if len(sys.argv) > 5 else "continuous"
+together = batching == "prefill-together"  # continuous, joining requests prefilled in one padded forward
 model = tierlm.load(path, dtype=dtype)
 run_server(
-    model, "127.0.0.1", port, model_name="bench", max_batch_size=batch, log_level="warning", batching=batching
+    model, "127.0.0.1", port, model_name="bench", max_batch_size=batch, log_level="warning",
+    batching="continuous" if together else batching, **({"prefill_together": True} if together else {}),
 )
 """
 
@@ -224,7 +226,8 @@ def parse_args() -> argparse.Namespace:
         "--servers",
         type=lambda s: s.split(","),
         default=["continuous", "static", "llama.cpp"],
-        help="which of continuous, static, llama.cpp to run (default: all three)",
+        help="which of continuous, static, llama.cpp, prefill-together (continuous batching with the padded "
+        "prefill of requests that join together, not batch-invariant) to run (default: the first three)",
     )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-batch-size", type=int, default=16, help="tierlm's batch limit (default: 16)")
@@ -248,14 +251,17 @@ def main() -> None:
     starters = {
         "continuous": lambda: start_tierlm(model_file, args, "continuous"),
         "static": lambda: start_tierlm(model_file, args, "static"),
+        "prefill-together": lambda: start_tierlm(model_file, args, "prefill-together"),
         "llama.cpp": lambda: start_llama(model_file),
     }
     for name in args.servers:
         server = starters[name]()
         if server is None:
             continue
+        name = server.name  # a server named twice (interleaved rounds) keeps each round's numbers
+        name = name if name not in results else f"{name} ({sum(k.startswith(name) for k in results) + 1})"
         try:
-            results[server.name] = bench(server, args)
+            results[name] = bench(server, args)
         except httpx.HTTPError as e:  # a peer that breaks under load is reported, not fatal
             print(
                 f"{server.name}: failed under load ({type(e).__name__}: {e}); no numbers for it",

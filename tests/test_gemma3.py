@@ -300,7 +300,7 @@ def run_continuous(model, joins, new: int, rows: int = 4, chunk: int | None = 25
     config = GenerationConfig(
         max_new_tokens=new, min_new_tokens=new, prefill_chunk=chunk, logprobs=0, compile_config=compile_config
     )
-    batch = SlotBatch(model, rows, config)
+    batch = SlotBatch(model, rows, config, prefill_together=True)  # the padded prefill is under test too
     tokens: dict[tuple, list[tuple[int, float]]] = {}
     pending = list(joins)
     while pending or batch.busy:

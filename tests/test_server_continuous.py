@@ -461,7 +461,7 @@ def test_sequences_that_join_together_prefill_together_with_their_solo_tokens(ti
 
     model = tierlm.load(tiny_dir, dtype="float32")
     config = GenerationConfig(do_sample=False)
-    batch = SlotBatch(model, 4, config)
+    batch = SlotBatch(model, 4, config, prefill_together=True)
     texts = ("Hello there", "A much longer prompt than the first one", "Hi")
     prompts = [model.tokenizer.encode(p) for p in texts]
     n = 8

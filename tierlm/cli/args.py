@@ -147,6 +147,13 @@ def _add_serve(sub) -> None:
         help="continuous: requests join and leave the running batch at every step (default); static: a "
         "request waits for a running batch to end",
     )
+    serve.add_argument(
+        "--prefill-together",
+        action="store_true",
+        help="continuous batching: requests that arrive together prefill in one padded forward (one pass over "
+        "the weights) instead of each alone; their tokens may then differ from their solo runs' (not "
+        "batch-invariant)",
+    )
     serve.add_argument("--api-key")
     serve.add_argument(
         "--trust-request-chat-template",

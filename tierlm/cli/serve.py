@@ -69,6 +69,7 @@ def cmd_serve(args) -> int:
         model_name=getattr(args, "served_model_name", None),
         max_model_len=args.max_model_len,
         trust_request_chat_template=args.trust_request_chat_template,
+        prefill_together=args.prefill_together,
     )
     return 0
 

@@ -93,8 +93,13 @@ def compiles(model, config: GenerationConfig) -> bool:
 class SlotBatch:
     """`slots` rows of a static cache that grows (by powers of two) to fit the longest sequence."""
 
-    def __init__(self, model, slots: int, config: GenerationConfig) -> None:
+    def __init__(self, model, slots: int, config: GenerationConfig, prefill_together: bool = False) -> None:
+        """`prefill_together`: sequences that join together prefill in one padded forward (one pass over the
+        weights for all of them), whose products then sum over other row counts than a solo prefill's, so a
+        row's tokens may differ from its solo run's in low-precision weights; off, each prefills alone and a
+        request's tokens are its solo run's whatever else the batch holds (batch invariance)."""
         self.model, self.config, self.capacity = model, config, slots
+        self.prefill_together = prefill_together
         if self._compiles():  # compiled steps run at power-of-two row counts: rows past capacity pad them
             slots = 1 << (slots - 1).bit_length()
         self.slots = slots
@@ -226,7 +231,7 @@ class SlotBatch:
             decoding = bool(self._decoding_rows())
             if self.waiting and not (decoding and self._decode_next):
                 self._decode_next = True
-                together = self._whole_prompts()
+                together = self._whole_prompts() if self.prefill_together else []
                 return self._prefill_together(together) if len(together) > 1 else self._prefill_chunk()
             self._decode_next = False
             return self._decode() if decoding else []

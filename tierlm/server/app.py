@@ -48,6 +48,7 @@ def build_app(
     batching: str = "continuous",
     max_model_len: int | None = None,
     trust_request_chat_template: bool = False,
+    prefill_together: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app serving `model`; its worker thread runs while the app's lifespan does.
 
@@ -58,6 +59,9 @@ def build_app(
     `max_model_len` (vLLM's): the longest prompt + answer accepted, at most the model's context; with
     compiled steps, the cache and its steps are sized for it as the server starts.
     `trust_request_chat_template` (vLLM's): a chat request may bring its own `chat_template` (else a 400).
+    `prefill_together` (continuous batching): requests that arrive together prefill in one padded forward,
+    one pass over the weights, at the cost of batch invariance (off: each request's greedy and seeded tokens
+    are its solo run's whatever else the server is doing, where the decode step's kernels are row-exact).
     The worker decodes on a thread of its own; the calling thread, which loaded `model`, has its OpenMP
     team freed (`release_openmp_team`): torch work on two threads halves a CPU decode's speed
     (tierlm.server.compute). Parallel torch ops it runs later make a new team, which slows the worker's.
@@ -71,6 +75,7 @@ def build_app(
         base_config=generation_config,
         default_max_tokens=default_max_tokens,
         max_model_len=max_model_len,
+        prefill_together=prefill_together,
     )
     release_openmp_team()  # this thread loaded the model (and prepared packaged steps); the worker decodes
     name = model_name or default_model_name(model)
@@ -92,7 +97,9 @@ def _check_servable(model: Model, max_body_bytes: int, default_max_tokens: int) 
         raise ValueError("max_body_bytes and default_max_tokens must be >= 1")
 
 
-def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kwargs) -> Scheduler:
+def make_scheduler(
+    model: Model, batching: str, *, default_max_tokens: int, prefill_together: bool = False, **kwargs
+) -> Scheduler:
     """The worker for `batching` ("continuous" or "static"), its packaged steps loaded or built now when it
     compiles them. `kwargs`: max_batch_size, max_queue, base_config."""
     schedulers = {"continuous": ContinuousScheduler, "static": Scheduler}
@@ -101,7 +108,9 @@ def make_scheduler(model: Model, batching: str, *, default_max_tokens: int, **kw
     if batching == "static":
         return Scheduler(model, **kwargs)
     # The continuous worker sizes its cache at start-up for a request of default_max_tokens (tierlm.aot).
-    scheduler = ContinuousScheduler(model, default_max_tokens=default_max_tokens, **kwargs)
+    scheduler = ContinuousScheduler(
+        model, default_max_tokens=default_max_tokens, prefill_together=prefill_together, **kwargs
+    )
     if getattr(model, "packages", None) is not None:
         # Load or build the packaged steps now, not in uvicorn's lifespan: a failed build is then the CLI's
         # one-line error (not a traceback and exit 3), and Ctrl-C stops a cold build.

@@ -30,8 +30,11 @@ class ContinuousScheduler(Scheduler):
 
     batching = "continuous"
 
-    def __init__(self, model, *, default_max_tokens: int = 1024, **kwargs) -> None:
+    def __init__(
+        self, model, *, default_max_tokens: int = 1024, prefill_together: bool = False, **kwargs
+    ) -> None:
         super().__init__(model, **kwargs)
+        self.prefill_together = prefill_together  # SlotBatch's: off, a request's tokens are its solo run's
         self._stats.update(dict.fromkeys(BATCH_STATS, 0))  # /stats has every key before the first request
         self.default_max_tokens = default_max_tokens
         self._batch: SlotBatch | None = None
@@ -75,7 +78,8 @@ class ContinuousScheduler(Scheduler):
             self._record_stats(batch)
 
     def _new_batch(self, report=None) -> SlotBatch:
-        batch = SlotBatch(self.model, self.max_batch_size, self.base_config.replace(n=1, stop=()))
+        config = self.base_config.replace(n=1, stop=())
+        batch = SlotBatch(self.model, self.max_batch_size, config, self.prefill_together)
         if batch.packaged:  # its cache starts at the length its packages are for (loaded once, then reused)
             exact = self.max_model_len is not None  # the one length it ever needs: no bucket's spare slots
             needed = self.context if exact else min(self.default_max_tokens, self.context)
