@@ -128,13 +128,11 @@ def test_a_pattern_or_an_unknown_state_is_not_closed():
     assert json_closing({"type": "object"}, "{]") is None
 
 
-@pytest.mark.parametrize("budget", [24, 31, 47, 80, 120])
-def test_random_tokens_under_the_mask_always_close_within_the_budget(tokenizer, budget):
-    """An adversarial stand-in for a model (random logits, which never close an unbounded array or string on
-    their own): under a budget, every row ends complete within it, with a document that validates."""
-    rows, vocab = 6, tokenizer.vocab_size
+def random_tokens_under_budget(tokenizer, fmt, rows: int, budget: int) -> tuple[GrammarMask, list[list[int]]]:
+    """`rows` rows of `fmt` under `budget`, each token the argmax of random logits under the mask, kept
+    within the budget as the sampler keeps it: the mask and each row's tokens."""
+    vocab = tokenizer.vocab_size
     mask = GrammarMask(tokenizer, rows, vocab, tokenizer.eos_token_ids)
-    fmt = parse_response_format(FORMAT)
     for row in range(rows):
         mask.set_row(row, fmt, budget)
     generator = torch.Generator().manual_seed(budget)
@@ -148,6 +146,15 @@ def test_random_tokens_under_the_mask_always_close_within_the_budget(tokenizer, 
         mask.advance(live, tokens)
         for row, token in zip(live, tokens):
             out[row].append(token)
+    return mask, out
+
+
+@pytest.mark.parametrize("budget", [24, 31, 47, 80, 120])
+def test_random_tokens_under_the_mask_always_close_within_the_budget(tokenizer, budget):
+    """An adversarial stand-in for a model (random logits, which never close an unbounded array or string on
+    their own): under a budget, every row ends complete within it, with a document that validates."""
+    rows = 6
+    mask, out = random_tokens_under_budget(tokenizer, parse_response_format(FORMAT), rows, budget)
     for row in range(rows):
         assert mask.complete(row) and len(out[row]) <= budget
         jsonschema.validate(json.loads(tokenizer.decode(out[row])), UNBOUNDED)

@@ -15,7 +15,6 @@ import llguidance
 import openai
 import pydantic
 import pytest
-import torch
 from test_server import serve
 
 import tierlm
@@ -148,25 +147,11 @@ def test_a_call_cut_anywhere_closes_to_valid_calls(tokenizer, family):
 def test_random_tokens_under_a_tool_grammar_end_as_calls_within_the_budget(tokenizer, budget):
     """Random logits under the "required" grammar (parallel calls allowed, so it never has to end): every
     row ends within its budget, as calls that parse and validate; a forced closing ends the answer."""
-    from tierlm.generation.grammar import GrammarMask
+    from test_structured_budget import random_tokens_under_budget
 
-    rows, vocab = 4, tokenizer.vocab_size
+    rows = 4
     use = tool_use(TOOLS, "required", None, TEMPLATES["generic"])
-    fmt = use.response_format()
-    mask = GrammarMask(tokenizer, rows, vocab, tokenizer.eos_token_ids)
-    for row in range(rows):
-        mask.set_row(row, fmt, budget)
-    generator = torch.Generator().manual_seed(budget)
-    out: list[list[int]] = [[] for _ in range(rows)]
-    for _ in range(budget):
-        live = [r for r in range(rows) if not mask.complete(r)]
-        if not live:
-            break
-        tokens = mask.apply(torch.randn(len(live), vocab, generator=generator), live).argmax(-1).tolist()
-        tokens = mask.within_budget(live, tokens, [len(out[r]) for r in live]) or tokens
-        mask.advance(live, tokens)
-        for row, token in zip(live, tokens):
-            out[row].append(token)
+    mask, out = random_tokens_under_budget(tokenizer, use.response_format(), rows, budget)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for row in range(rows):
         assert mask.complete(row) and len(out[row]) <= budget

@@ -68,7 +68,7 @@ class JsonCloser:
     def after(self, data: bytes) -> JsonCloser | None:
         """The closer of the answer followed by `data`; None where this module cannot follow it."""
         raw = self.pending + data
-        cut = len(raw) - _cut_char(raw)
+        cut = len(raw) - cut_char(raw)
         new = JsonCloser.__new__(JsonCloser)
         new.partial, new.pending = self.partial.copy(), raw[cut:]
         try:
@@ -80,7 +80,7 @@ class JsonCloser:
 
     def closing(self) -> bytes | None:
         """The bytes of the shortest closing, or None where it is unknown."""
-        fill = _continuation(self.pending)
+        fill = continuation(self.pending)
         partial = self.partial.copy()
         try:
             for char in (self.pending + fill).decode("utf-8"):
@@ -105,7 +105,7 @@ class ChoiceCloser:
         return min((c[len(self.text) :] for c in self.choices), key=len) if self.choices else None
 
 
-def _cut_char(raw: bytes) -> int:
+def cut_char(raw: bytes) -> int:
     """How many bytes at the end of `raw` are a UTF-8 character cut short (0 if none is)."""
     for back in range(1, min(4, len(raw)) + 1):
         lead = raw[-back]
@@ -115,7 +115,7 @@ def _cut_char(raw: bytes) -> int:
     return 0
 
 
-def _continuation(cut: bytes) -> bytes:
+def continuation(cut: bytes) -> bytes:
     """Continuation bytes that complete the cut character `cut` into a valid one (b"" for none)."""
     if not cut:
         return b""

@@ -8,7 +8,7 @@ whose grammar is complete ends (finish reason "stop"). Rows without a format are
 
 A row with a token budget always ends with a complete answer (JSON, or a choice). Before a sampled token
 is taken, the tokens of the shortest text that would close the answer after it (`tierlm.generation.closing`,
-tokenized by the model's tokenizer) are counted; if they no longer fit in what the budget leaves after that
+its bytes tokenized by llguidance's view of the tokenizer) are counted; if they no longer fit in what the budget leaves after that
 token, the sampled token is dropped and the closing of the answer so far (which fit, by the same check one
 token earlier) is forced token by token instead. The matcher checks each closing before it is forced; a
 closing it refuses, or a format without a closer (a regex, a Lark grammar), leaves the row unforced. A
@@ -135,8 +135,7 @@ class GrammarMask:
         return _closes(self.matchers[row], closing)
 
     def _closing(self, closer) -> list[int] | None:
-        closing = None if closer is None else closer.closing()
-        return None if closing is None else self.tokenizer.tokenize_bytes(closing)
+        return closing_tokens(self.tokenizer, closer)
 
     def closed_by_budget(self, row: int) -> bool:
         """True when `row`'s answer was closed early because its budget ran out (finish reason "length")."""
@@ -205,12 +204,13 @@ def shortest_answer(tokenizer, vocab: int, eos_ids, fmt: ResponseFormat) -> list
         return None
     lltokenizer = grammar_tokenizer(tokenizer, vocab, tuple(eos_ids))
     matcher = llguidance_module().LLMatcher(lltokenizer, fmt.grammar)
-    closing = closer.closing()
-    return (
-        None
-        if matcher.is_error() or closing is None
-        else _checked(matcher, lltokenizer.tokenize_bytes(closing))
-    )
+    return None if matcher.is_error() else _checked(matcher, closing_tokens(lltokenizer, closer))
+
+
+def closing_tokens(lltokenizer, closer) -> list[int] | None:
+    """The tokens of `closer`'s closing (None: no closer, or its closing is unknown)."""
+    closing = None if closer is None else closer.closing()
+    return None if closing is None else lltokenizer.tokenize_bytes(closing)
 
 
 def too_short(field: str, budget: int, tokenizer, shortest: list[int]) -> str:

@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 from tierlm.errors import RequestError
-from tierlm.generation.closing import _continuation, _cut_char, shortest_value, value_end
+from tierlm.generation.closing import continuation, cut_char, shortest_value, value_end
 from tierlm.generation.response_format import ResponseFormat, guided
 
 CHOICES = ("none", "auto", "required")
@@ -224,8 +224,8 @@ class ToolCloser:
         return ToolCloser(self.use, self.raw + data)
 
     def closing(self) -> bytes | None:
-        cut = _cut_char(self.raw)
-        fill = _continuation(self.raw[len(self.raw) - cut :]) if cut else b""
+        cut = cut_char(self.raw)
+        fill = continuation(self.raw[len(self.raw) - cut :]) if cut else b""
         try:
             rest = self._closing((self.raw + fill).decode("utf-8"))
         except Exception:  # Unknown, or a schema keyword of an odd type: unforced, never a failed request
